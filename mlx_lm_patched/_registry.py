@@ -1,0 +1,211 @@
+"""The patch registry: owns every upstream object a patch replaces.
+
+A ``Patch`` is a named set of ``Target``s. Each target names an attribute of
+an upstream class or module, the object that replaces it, and the source
+fingerprint of the upstream object it was written against (``None`` for an
+attribute upstream does not have). A target whose upstream source changed is
+never overridden silently: the patch is skipped with a ``PatchDriftWarning``,
+or ``PatchDriftError`` with ``strict=True``.
+"""
+
+import hashlib
+import importlib
+import inspect
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Any, Dict, List, Optional, Tuple
+
+UPSTREAM_VERSION = "0.32.2"
+
+
+class PatchDriftWarning(UserWarning):
+    """An upstream object a patch replaces is not the one it was written for."""
+
+
+class PatchDriftError(RuntimeError):
+    """Raised instead of ``PatchDriftWarning`` when applying with ``strict=True``."""
+
+
+def source_of(obj: Any) -> str:
+    """The dedented source of a function, a property or a class."""
+    if isinstance(obj, property):
+        parts = [f for f in (obj.fget, obj.fset) if f is not None]
+        return "".join(source_of(f) for f in parts)
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    return textwrap.dedent(inspect.getsource(obj))
+
+
+def fingerprint(obj: Any) -> str:
+    """A short hash of an object's source, blank lines and comments kept."""
+    return hashlib.sha256(source_of(obj).encode()).hexdigest()[:12]
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Target:
+    owner: str  # dotted path: "mlx_lm.models.cache.RotatingKVCache"
+    attr: str
+    new: Any
+    fingerprint: Optional[str]  # None: upstream has no such attribute
+
+    def resolve_owner(self):
+        module, _, rest = self.owner.partition(":")
+        obj = importlib.import_module(module)
+        for part in filter(None, rest.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+    def upstream(self):
+        """The upstream object (inherited ones included), or ``_MISSING``."""
+        owner = self.resolve_owner()
+        if self.key not in _saved:
+            return getattr(owner, self.attr, _MISSING)
+        original = _saved[self.key][0]
+        if original is _MISSING and inspect.isclass(owner):
+            # Replaced an inherited attribute: look it up past the owner.
+            for base in owner.__mro__[1:]:
+                if self.attr in base.__dict__:
+                    return base.__dict__[self.attr]
+        return original
+
+    @property
+    def key(self) -> Tuple[str, str]:
+        return (self.owner, self.attr)
+
+    def drift(self) -> Optional[str]:
+        """Why this target no longer matches upstream, or ``None``."""
+        try:
+            current = self.upstream()
+        except (ImportError, AttributeError) as e:
+            return f"{self.owner} is missing ({e})"
+        where = f"{self.owner.replace(':', '.')}.{self.attr}"
+        if self.fingerprint is None:
+            return None if current is _MISSING else f"{where} now exists upstream"
+        if current is _MISSING:
+            return f"{where} is missing upstream"
+        found = fingerprint(current)
+        if found != self.fingerprint:
+            return f"{where} changed (fingerprint {found}, written for {self.fingerprint})"
+        return None
+
+
+@dataclass
+class Patch:
+    name: str
+    summary: str
+    targets: List[Target] = field(default_factory=list)
+    requires: Tuple[str, ...] = ()
+
+
+def class_patch(owner: str, namespace: type, fingerprints: Dict[str, Optional[str]]):
+    """Targets for every attribute defined in ``namespace``'s body.
+
+    ``namespace`` is a plain class written like the upstream class it patches
+    (``owner`` is ``"module:Class"``); ``fingerprints`` must name each of its
+    attributes, so nothing is replaced without a recorded upstream source.
+    """
+    names = [n for n in vars(namespace) if not n.startswith("__") or n == "__init__"]
+    if sorted(names) != sorted(fingerprints):
+        raise ValueError(
+            f"{namespace.__name__}: fingerprints for {sorted(fingerprints)} "
+            f"but it defines {sorted(names)}"
+        )
+    return [Target(owner, n, vars(namespace)[n], fingerprints[n]) for n in names]
+
+
+# (owner, attr) -> (original or _MISSING, [modules rebound alongside a module owner])
+_saved: Dict[Tuple[str, str], Tuple[Any, List[Any]]] = {}
+_applied: Dict[str, Patch] = {}
+
+
+def _set(target: Target):
+    owner = target.resolve_owner()
+    original = (
+        owner.__dict__.get(target.attr, _MISSING)
+        if inspect.isclass(owner)
+        else getattr(owner, target.attr, _MISSING)
+    )
+    rebound = []
+    if inspect.ismodule(owner) and original is not _MISSING:
+        # Modules that did ``from .cache import name`` hold their own binding.
+        for name, mod in list(sys.modules.items()):
+            if (
+                name.startswith("mlx_lm")
+                and mod is not owner
+                and getattr(mod, target.attr, None) is original
+            ):
+                setattr(mod, target.attr, target.new)
+                rebound.append(mod)
+    _saved[target.key] = (original, rebound)
+    setattr(owner, target.attr, target.new)
+
+
+def _unset(target: Target):
+    original, rebound = _saved.pop(target.key)
+    owner = target.resolve_owner()
+    if original is _MISSING:
+        delattr(owner, target.attr)
+    else:
+        setattr(owner, target.attr, original)
+    for mod in rebound:
+        setattr(mod, target.attr, original)
+
+
+def get_original(owner: str, attr: str) -> Any:
+    """The upstream object behind ``owner.attr``, patched or not."""
+    t = Target(owner, attr, None, None)
+    found = t.upstream()
+    if found is _MISSING:
+        raise AttributeError(f"{owner}.{attr} has no upstream original")
+    return found
+
+
+def is_applied(name: str) -> bool:
+    return name in _applied
+
+
+def installed_version() -> str:
+    return version("mlx-lm")
+
+
+def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
+    """Apply ``patches`` in order; return the names that are applied now."""
+    by_name = {p.name: p for p in patches}
+    for patch in patches:
+        if patch.name in _applied:
+            continue
+        problems = [d for t in patch.targets if (d := t.drift())]
+        problems += [
+            f"needs patch {r!r}, which is not applied"
+            for r in patch.requires
+            if r not in _applied and r not in by_name
+        ]
+        if problems:
+            msg = (
+                f"mlx_lm_patched: patch {patch.name!r} not applied "
+                f"(written for mlx-lm {UPSTREAM_VERSION}, installed "
+                f"{installed_version()}): " + "; ".join(problems)
+            )
+            if strict:
+                raise PatchDriftError(msg)
+            warnings.warn(msg, PatchDriftWarning, stacklevel=3)
+            continue
+        for t in patch.targets:
+            _set(t)
+        _applied[patch.name] = patch
+    return list(_applied)
+
+
+def revert_patches(patches: List[Patch]):
+    """Put back the upstream objects, last applied first."""
+    for patch in reversed(patches):
+        if _applied.pop(patch.name, None) is None:
+            continue
+        for t in reversed(patch.targets):
+            _unset(t)

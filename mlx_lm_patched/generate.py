@@ -1,10 +1,14 @@
 """Drop-in for ``mlx_lm.generate``: same flags and output, patched caches."""
 
+from mlx_lm.generate import main as upstream_main
+
 from mlx_lm_patched import apply
 
-apply()
 
-from mlx_lm.generate import main  # noqa: E402
+def main():
+    apply()
+    upstream_main()
+
 
 if __name__ == "__main__":
     main()

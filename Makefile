@@ -1,0 +1,56 @@
+# Every target creates the virtual environment it needs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+EXTRAS ?= cpu,test,bench
+SRC := mlx_lm_patched tests
+
+.PHONY: venv demo test lint format bench patches check-patches vendor \
+	upstream-test check-upstream fuzz soak
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: venv
+	$(PYTHON) -m mlx_lm_patched.demo
+
+test: venv
+	$(PYTHON) -m pytest -q
+
+lint: venv
+	$(BIN)/black --check $(SRC)
+	$(BIN)/isort --check-only $(SRC)
+
+format: venv
+	$(BIN)/isort $(SRC)
+	$(BIN)/black $(SRC)
+
+bench: venv
+	$(PYTHON) -m mlx_lm_patched.bench all
+
+patches: venv
+	$(PYTHON) -m mlx_lm_patched.upstream patches
+
+check-patches: venv
+	$(PYTHON) -m mlx_lm_patched.upstream check-patches
+
+vendor: venv
+	$(PYTHON) -m mlx_lm_patched.upstream vendor
+
+upstream-test: venv
+	$(PYTHON) -m mlx_lm_patched.upstream test
+
+check-upstream: venv
+	$(PYTHON) -m mlx_lm_patched.upstream check-release $(VERSION)
+
+fuzz: venv
+	$(PYTHON) -m pytest -q tests/test_fuzz.py --fuzz-examples 10000
+
+soak: venv
+	$(PYTHON) -m mlx_lm_patched.bench soak

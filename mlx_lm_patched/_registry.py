@@ -45,6 +45,7 @@ def fingerprint(obj: Any) -> str:
 
 
 _MISSING = object()
+REMOVED = object()  # ``Target.new`` for an upstream attribute a patch deletes
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,9 @@ class Target:
             return f"{where} is missing upstream"
         found = fingerprint(current)
         if found != self.fingerprint:
-            return f"{where} changed (fingerprint {found}, written for {self.fingerprint})"
+            return (
+                f"{where} changed (fingerprint {found}, written for {self.fingerprint})"
+            )
         return None
 
 
@@ -103,12 +106,18 @@ class Patch:
     requires: Tuple[str, ...] = ()
 
 
-def class_patch(owner: str, namespace: type, fingerprints: Dict[str, Optional[str]]):
+def class_patch(
+    owner: str,
+    namespace: type,
+    fingerprints: Dict[str, Optional[str]],
+    removes: Dict[str, str] = {},
+):
     """Targets for every attribute defined in ``namespace``'s body.
 
     ``namespace`` is a plain class written like the upstream class it patches
     (``owner`` is ``"module:Class"``); ``fingerprints`` must name each of its
     attributes, so nothing is replaced without a recorded upstream source.
+    ``removes`` maps upstream methods the patch makes dead to their fingerprints.
     """
     names = [n for n in vars(namespace) if not n.startswith("__") or n == "__init__"]
     if sorted(names) != sorted(fingerprints):
@@ -116,7 +125,8 @@ def class_patch(owner: str, namespace: type, fingerprints: Dict[str, Optional[st
             f"{namespace.__name__}: fingerprints for {sorted(fingerprints)} "
             f"but it defines {sorted(names)}"
         )
-    return [Target(owner, n, vars(namespace)[n], fingerprints[n]) for n in names]
+    targets = [Target(owner, n, vars(namespace)[n], fingerprints[n]) for n in names]
+    return targets + [Target(owner, n, REMOVED, f) for n, f in removes.items()]
 
 
 # (owner, attr) -> (original or _MISSING, [modules rebound alongside a module owner])
@@ -143,7 +153,10 @@ def _set(target: Target):
                 setattr(mod, target.attr, target.new)
                 rebound.append(mod)
     _saved[target.key] = (original, rebound)
-    setattr(owner, target.attr, target.new)
+    if target.new is REMOVED:
+        delattr(owner, target.attr)
+    else:
+        setattr(owner, target.attr, target.new)
 
 
 def _unset(target: Target):

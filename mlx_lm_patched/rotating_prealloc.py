@@ -1,0 +1,176 @@
+"""Preallocated, in-place ``RotatingKVCache``.
+
+Upstream grows the ring in 256-token steps by trim-then-concatenate, so each
+growth step briefly holds several copies of every layer's cache, and a
+chunked prefill keeps up to ``max_size + S - 1`` tokens per layer. Here the
+first update allocates the ``max_size`` ring once; every later update writes
+into it in place. A multi-token update that runs past the ring gives
+attention a transient of the last ``max_size - 1`` tokens plus the chunk (the
+same keys, in the same order, as upstream) and keeps only the ring.
+
+Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
+from the later queries of a chunk, and rolls the single-token mask as if
+``keep=0``), negative trims and trims of a wrapped ring raise instead of
+corrupting ``_idx`` (ml-explore/mlx-lm#1776, #1868), updates whose shape does
+not match the ring raise before anything changes.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ._registry import Patch, class_patch
+
+
+class RotatingKVCache:
+    # Layout of the ``max_size`` ring, ``n = min(offset, max_size)`` tokens live:
+    # - ``offset <= max_size``: slot ``s`` holds position ``s``, ``_idx == offset``;
+    # - ``offset > max_size``: slots ``[0, keep)`` hold the first ``keep``
+    #   positions, slots ``[keep, max_size)`` the last ``max_size - keep`` in
+    #   rotated order, the oldest at ``_idx`` (at ``keep`` when ``_idx == max_size``).
+    # This is upstream's layout after its trims, so decode sees the same arrays.
+
+    def _allocate(self, keys, values):
+        """Allocate the ring, moving in any state saved in another layout."""
+        B, H, _, Dk = keys.shape
+        k = mx.zeros((B, H, self.max_size, Dk), keys.dtype)
+        v = mx.zeros((B, H, self.max_size, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            n = min(self.offset, self.max_size)
+            keep = min(self.keep, n)
+            total = self._temporal_order(self.keys).shape[2]
+            live = mx.array(list(range(keep)) + list(range(total - n + keep, total)), mx.int32)
+            k[..., :n, :] = self._temporal_order(self.keys)[..., live, :]
+            v[..., :n, :] = self._temporal_order(self.values)[..., live, :]
+            self._idx = n
+        self.keys, self.values = k, v
+
+    def _check(self, keys, values):
+        ring = (self.keys.shape[:2], self.keys.shape[3], self.values.shape[3])
+        new = (keys.shape[:2], keys.shape[3], values.shape[3])
+        if ring != new or keys.dtype != self.keys.dtype:
+            raise ValueError(
+                f"RotatingKVCache holds (batch, heads)={ring[0]}, head dims "
+                f"{ring[1:]} of {self.keys.dtype}; got {new[0]}, {new[1:]} "
+                f"of {keys.dtype}"
+            )
+
+    def _update_past_ring(self, keys, values):
+        """A multi-token update past the ring: attention sees the last
+        ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
+        n = min(self.offset, self.max_size)
+        m = min(n, self.max_size - 1)
+        keep = min(self.keep, n)
+        ring = list(range(self._idx, n)) + list(range(keep, self._idx))
+        order = mx.array(list(range(keep)) + ring[len(ring) - (m - keep) :], mx.int32)
+        out = []
+        for cache, new in ((self.keys, keys), (self.values, values)):
+            B, H, S, D = new.shape
+            seen = mx.zeros((B, H, m + S, D), new.dtype)
+            seen[..., :m, :] = cache[..., order, :]
+            seen[..., m:, :] = new
+            if self.offset < self.keep:
+                cache[..., : self.keep, :] = seen[..., : self.keep, :]
+            cache[..., self.keep :, :] = seen[
+                ..., m + S - self.max_size + self.keep :, :
+            ]
+            out.append(seen)
+        self.offset += keys.shape[2]
+        self._idx = self.max_size
+        return tuple(out)
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is None or self.keys.shape[2] != self.max_size:
+            self._allocate(keys, values)
+        self._check(keys, values)
+        S = keys.shape[2]
+        if self.offset + S <= self.max_size:
+            prev = self.offset
+            self.keys[..., prev : prev + S, :] = keys
+            self.values[..., prev : prev + S, :] = values
+            self.offset += S
+            self._idx = self.offset
+            return self.keys_and_values()
+        if S > 1:
+            return self._update_past_ring(keys, values)
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys[..., self._idx : self._idx + 1, :] = keys
+        self.values[..., self._idx : self._idx + 1, :] = values
+        self.offset += 1
+        self._idx += 1
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        if self.keys is not None and self.offset < self.keys.shape[2]:
+            k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        else:
+            k, v = self.keys, self.values
+        return k, v, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"RotatingKVCache.trim: n must be >= 0, got {n}")
+        if n and self.offset > self.max_size:
+            raise ValueError(
+                f"RotatingKVCache.trim: the ring has wrapped (offset {self.offset} > "
+                f"max_size {self.max_size}), its oldest tokens are gone; "
+                "check is_trimmable() first"
+            )
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx = self.offset
+        return n
+
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ):
+        # A key is visible if it is one of the ``keep`` first tokens or among
+        # the ``window_size - keep`` newest, so chunks and decode agree.
+        window = (window_size or self.max_size) - self.keep
+        if N > 1:
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N <= window + self.keep and not return_array:
+                return "causal"
+            rinds = mx.arange(offset + N)
+            linds = mx.arange(offset, offset + N)[:, None]
+            return (linds >= rinds) & ((linds < rinds + window) | (rinds < self.keep))
+        if window_size is None or self.offset < window_size:
+            return None
+        slots = mx.arange(min(self.offset + 1, self.max_size))
+        if self.offset < self.max_size:
+            distance = self.offset - slots
+        else:
+            idx = self.keep if self._idx == self.max_size else self._idx
+            ring = self.max_size - self.keep
+            distance = (idx - slots) % ring
+        return (slots < self.keep) | (distance < window)
+
+
+PATCH = Patch(
+    "rotating_prealloc",
+    "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
+    class_patch(
+        "mlx_lm.models.cache:RotatingKVCache",
+        RotatingKVCache,
+        {
+            "_allocate": None,
+            "_check": None,
+            "_update_past_ring": None,
+            "update_and_fetch": "a49febe14a68",
+            "state": "58270b869508",
+            "trim": "798fee465b19",
+            "make_mask": "aae2a6dcb644",
+        },
+        removes={
+            "_trim": "b810aeeb118b",
+            "_update_concat": "74947aeaf783",
+            "_update_in_place": "72480bc8fe40",
+        },
+    ),
+)

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m mlx_lm_patched.bench {memory,quantized,soak,all}``."""

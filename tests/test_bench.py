@@ -1,0 +1,132 @@
+"""Smoke run of ``python -m mlx_lm_patched.bench memory`` on a tiny geometry.
+
+Checks the JSON's keys and its counts (never its times): the counts must
+follow from the geometry, and from upstream's 256-token growth on the
+upstream side.
+"""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+import mlx_lm_patched
+from mlx_lm_patched.bench import __main__ as bench
+from mlx_lm_patched.bench import memory
+
+# 3 layers, ring of 300: upstream grows 40 -> 296 -> 300 during decode.
+TINY = (
+    "--layers 3 --heads 2 --head-dim 8 --max-size 300 --keep 4 --prefill 40 "
+    "--long-prefill 700 --chunk 256 --turn 64 --decode 320 --batch 4 --device cpu"
+).split()
+SIDE_KEYS = {
+    "reallocations",
+    "reallocations_by_phase",
+    "worst_transient",
+    "worst_decode_transient",
+    "peak",
+    "prefill_peak",
+    "active_end",
+    "cache_nbytes_end",
+    "allocator_cache_end",
+    "step_ms",
+}
+TARGETS = {
+    "zero_reallocations",
+    "zero_decode_reallocations",
+    "decode_transient_le_one_token",
+    "prefill_peak_le_bound",
+    "median_le_upstream",
+    "worst_le_3x_median",
+}
+HAS_RING_PATCH = any(p.name == "rotating_prealloc" for p in mlx_lm_patched.PATCHES)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    png = tmp_path_factory.mktemp("bench") / "memory.png"
+    out = memory.main(TINY + ["--png", str(png)])
+    assert png.stat().st_size > 0
+    yield out
+    mlx_lm_patched.apply()
+
+
+def test_json_has_every_scenario_side_and_target(result):
+    assert json.loads(json.dumps(result)) == result
+    assert set(result["scenarios"]) == {"a", "b", "c"}
+    for r in result["scenarios"].values():
+        for side in ("upstream", "patched"):
+            assert SIDE_KEYS <= set(r[side])
+            assert set(r[side]["step_ms"]) == {"median", "p99", "max"}
+        assert TARGETS <= set(r["targets"])
+        assert all(isinstance(v, bool) for v in r["targets"].values())
+    assert "layerwise_prefill_peak_le_bound" in result["scenarios"]["b"]["targets"]
+    assert "turn" in result["scenarios"]["b"]["patched"]
+
+
+def test_token_bytes_follow_the_geometry(result):
+    assert result["token_kv_bytes"] == 2 * 3 * 2 * 8 * 2
+    assert result["scenarios"]["c"]["token_kv_bytes"] == 4 * 2 * 3 * 2 * 8 * 2
+
+
+def test_upstream_grows_its_ring_in_256_token_steps(result):
+    # Decode from 40 tokens: 40 -> 296 -> 300, two reallocations per layer.
+    a = result["scenarios"]["a"]["upstream"]
+    assert a["reallocations_by_phase"] == {"prefill": 0, "decode": 6, "turn": 0}
+    assert a["worst_decode_transient"] > 0
+
+
+def test_caches_end_at_the_size_the_geometry_gives(result):
+    token = 2 * 3 * 2 * 8 * 2
+    ends = {
+        s: {
+            k: v["cache_nbytes_end"]
+            for k, v in r.items()
+            if k in ("upstream", "patched")
+        }
+        for s, r in result["scenarios"].items()
+    }
+    assert ends["a"] == {"upstream": 300 * token, "patched": 300 * token}
+    # After a 64-token turn upstream keeps max_size + 64 - 1 tokens.
+    assert ends["b"]["upstream"] == (300 + 64 - 1) * token
+    assert ends["c"]["upstream"] == 4 * 300 * token
+
+
+@pytest.mark.skipif(
+    not HAS_RING_PATCH, reason="rotating_prealloc is not in mlx_lm_patched.PATCHES yet"
+)
+def test_patched_ring_never_reallocates_during_decode(result):
+    for s in ("a", "b"):
+        r = result["scenarios"][s]["patched"]
+        assert r["reallocations_by_phase"]["decode"] == 0
+        assert r["worst_decode_transient"] <= result["token_kv_bytes"]
+    assert result["scenarios"]["a"]["patched"]["reallocations"] == 0
+
+
+def test_pointer_is_stable_across_an_in_place_update():
+    a = mx.zeros((1, 2, 16, 8), mx.bfloat16)
+    mx.eval(a)
+    before = memory.pointer(a)
+    a[..., 3:4, :] = mx.ones((1, 2, 1, 8), mx.bfloat16)
+    mx.eval(a)
+    assert memory.pointer(a) == before
+    held = a[..., :4, :]  # a live view blocks donation: a copy, a new buffer
+    a[..., 5:6, :] = mx.ones((1, 2, 1, 8), mx.bfloat16)
+    mx.eval(a, held)
+    assert memory.pointer(a) != before
+
+
+def test_memory_method_counts_the_same_reallocations_as_pointer():
+    small = TINY + ["--scenarios", "a"]
+    by_pointer = memory.main(small + ["--realloc-method", "pointer"])
+    by_memory = memory.main(small + ["--realloc-method", "memory"])
+    for side in ("upstream", "patched"):
+        p = by_pointer["scenarios"]["a"][side]["reallocations_by_phase"]
+        m = by_memory["scenarios"]["a"][side]["reallocations_by_phase"]
+        assert p == m
+
+
+def test_dispatch_skips_or_stubs_what_is_missing(capsys):
+    assert bench.main(["soak"]) == 0
+    assert "not yet implemented (issue 7)" in capsys.readouterr().err
+    assert bench.main(["nonsense"]) == 2

@@ -39,7 +39,9 @@ class RotatingKVCache:
             n = min(self.offset, self.max_size)
             keep = min(self.keep, n)
             total = self._temporal_order(self.keys).shape[2]
-            live = mx.array(list(range(keep)) + list(range(total - n + keep, total)), mx.int32)
+            live = mx.array(
+                list(range(keep)) + list(range(total - n + keep, total)), mx.int32
+            )
             k[..., :n, :] = self._temporal_order(self.keys)[..., live, :]
             v[..., :n, :] = self._temporal_order(self.values)[..., live, :]
             self._idx = n
@@ -63,21 +65,22 @@ class RotatingKVCache:
         keep = min(self.keep, n)
         ring = list(range(self._idx, n)) + list(range(keep, self._idx))
         order = mx.array(list(range(keep)) + ring[len(ring) - (m - keep) :], mx.int32)
-        out = []
+        seen = []
         for cache, new in ((self.keys, keys), (self.values, values)):
             B, H, S, D = new.shape
-            seen = mx.zeros((B, H, m + S, D), new.dtype)
-            seen[..., :m, :] = cache[..., order, :]
-            seen[..., m:, :] = new
+            seen.append(mx.zeros((B, H, m + S, D), new.dtype))
+            seen[-1][..., :m, :] = cache[..., order, :]
+            seen[-1][..., m:, :] = new
+        # Done reading the ring: evaluate now so the writes below reuse its buffer.
+        mx.eval(seen)
+        start = m + S - self.max_size + self.keep
+        for cache, new in zip((self.keys, self.values), seen):
             if self.offset < self.keep:
-                cache[..., : self.keep, :] = seen[..., : self.keep, :]
-            cache[..., self.keep :, :] = seen[
-                ..., m + S - self.max_size + self.keep :, :
-            ]
-            out.append(seen)
+                cache[..., : self.keep, :] = new[..., : self.keep, :]
+            cache[..., self.keep :, :] = new[..., start:, :]
         self.offset += keys.shape[2]
         self._idx = self.max_size
-        return tuple(out)
+        return tuple(seen)
 
     def update_and_fetch(self, keys, values):
         if self.keys is None or self.keys.shape[2] != self.max_size:

@@ -130,3 +130,18 @@ def test_dispatch_skips_or_stubs_what_is_missing(capsys):
     assert bench.main(["soak"]) == 0
     assert "not yet implemented (issue 7)" in capsys.readouterr().err
     assert bench.main(["nonsense"]) == 2
+
+
+def test_e2e_tiny_model_runs_every_cache():
+    from mlx_lm_patched.bench import e2e
+
+    tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
+    tiny += "--vocab 100 --prompt 300 --chunk 128 --max-size 128 --decode 8 "
+    tiny += "--device cpu"
+    out = e2e.main(tiny.split())
+    token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
+    for side in ("upstream", "patched", "kvcache"):
+        assert out[side]["decode_tokens"] == 8
+    assert out["patched"]["cache_nbytes_end"] == 128 * token
+    # The unbounded cache holds all 308 tokens, in 256-token steps.
+    assert out["kvcache"]["cache_nbytes_end"] == 512 * token

@@ -1,0 +1,155 @@
+"""End-to-end: a Llama-8B-shaped model with random bf16 weights, generating.
+
+``mlx_lm.generate.generate_step`` prefills a ``--prompt``-token prompt in
+``--chunk``-token chunks and decodes ``--decode`` tokens, once per cache:
+``RotatingKVCache(--max-size, keep)`` per layer upstream (reverted) and
+patched (applied), and an unbounded ``KVCache``. Reports peak memory above
+the weights during prefill and during decode, and decode tokens per second.
+No files: the weights are made on the device.
+
+    python -m mlx_lm_patched.bench.e2e [--out e2e.json]
+"""
+
+import argparse
+import gc
+import json
+import sys
+import time
+from importlib.metadata import version
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+import mlx_lm_patched
+
+
+def build_model(args):
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=args.intermediate,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads,
+            rms_norm_eps=1e-5,
+            vocab_size=args.vocab,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        )
+    )
+    model.set_dtype(mx.bfloat16)
+    for layer in model.layers:  # one layer's float32 init alive at a time
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def _caches(args, kind):
+    if kind == "kvcache":
+        return [KVCache() for _ in range(args.layers)]
+    return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
+
+
+def run(model, args, kind, prompt, weights):
+    gc.collect()
+    mx.clear_cache()
+    cache = _caches(args, kind)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    gen = generate_step(
+        prompt,
+        model,
+        max_tokens=args.decode + 1,
+        prompt_cache=cache,
+        prefill_step_size=args.chunk,
+        sampler=lambda x: mx.argmax(x, axis=-1),
+    )
+    next(gen)
+    prefill_s = time.perf_counter() - tic
+    prefill_peak = max(mx.get_peak_memory(), mx.get_active_memory()) - weights
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    n = sum(1 for _ in gen)
+    decode_s = time.perf_counter() - tic
+    out = {
+        "prefill_s": prefill_s,
+        "prefill_tok_s": len(prompt) / prefill_s,
+        "prefill_peak_above_weights": prefill_peak,
+        "decode_tokens": n,
+        "decode_tok_s": n / decode_s,
+        "decode_peak_above_weights": max(mx.get_peak_memory(), mx.get_active_memory())
+        - weights,
+        "cache_nbytes_end": sum(c.nbytes for c in cache),
+    }
+    del cache, gen
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_lm_patched.bench.e2e",
+        description="Random-weight Llama-8B shape: rotating caches end to end.",
+    )
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--prompt", type=int, default=6000)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--max-size", type=int, default=4096)
+    p.add_argument("--keep", type=int, default=4)
+    p.add_argument("--decode", type=int, default=300)
+    p.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's")
+    p.add_argument("--out", help="also write the JSON to this file")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.device:
+        mx.set_default_device(getattr(mx, args.device))
+    model = build_model(args)
+    gc.collect()
+    mx.clear_cache()
+    weights = mx.get_active_memory()
+    prompt = mx.random.randint(0, args.vocab, (args.prompt,))
+    mx.eval(prompt)
+    result = {
+        "benchmark": "e2e",
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "patches": [p.name for p in mlx_lm_patched.PATCHES],
+        "config": vars(args),
+        "weights_bytes": weights,
+    }
+    sides = [
+        ("upstream", mlx_lm_patched.revert, "rotating"),
+        ("patched", mlx_lm_patched.apply, "rotating"),
+        ("kvcache", mlx_lm_patched.apply, "kvcache"),
+    ]
+    mlx_lm_patched.revert()
+    print("[e2e] warm-up", file=sys.stderr, flush=True)
+    run(model, args, "rotating", prompt, weights)  # compile kernels, fill pools
+    for name, switch, kind in sides:
+        switch()
+        print(f"[e2e] {name}", file=sys.stderr, flush=True)
+        result[name] = run(model, args, kind, prompt, weights)
+    mlx_lm_patched.apply()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -64,6 +64,13 @@ def test_json_has_every_scenario_side_and_target(result):
     assert "turn" in result["scenarios"]["b"]["patched"]
 
 
+def test_every_round_counts_the_same_reallocations(result):
+    for r in result["scenarios"].values():
+        for side in ("upstream", "patched"):
+            counts = r[side]["reallocations_by_round"]
+            assert len(counts) == 2 and len(set(counts)) == 1
+
+
 def test_token_bytes_follow_the_geometry(result):
     assert result["token_kv_bytes"] == 2 * 3 * 2 * 8 * 2
     assert result["scenarios"]["c"]["token_kv_bytes"] == 4 * 2 * 3 * 2 * 8 * 2
@@ -117,7 +124,7 @@ def test_pointer_is_stable_across_an_in_place_update():
 
 
 def test_memory_method_counts_the_same_reallocations_as_pointer():
-    small = TINY + ["--scenarios", "a"]
+    small = TINY + ["--scenarios", "a", "--rounds", "1", "--warmup", "0"]
     by_pointer = memory.main(small + ["--realloc-method", "pointer"])
     by_memory = memory.main(small + ["--realloc-method", "memory"])
     for side in ("upstream", "patched"):
@@ -137,7 +144,7 @@ def test_e2e_tiny_model_runs_every_cache():
 
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompt 300 --chunk 128 --max-size 128 --decode 8 "
-    tiny += "--device cpu"
+    tiny += "--rounds 1 --device cpu"
     out = e2e.main(tiny.split())
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
     for side in ("upstream", "patched", "kvcache"):

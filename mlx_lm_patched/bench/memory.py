@@ -12,6 +12,11 @@ Scenarios:
      then a ``--turn``-token second turn on the full ring
   c  ``BatchRotatingKVCache`` with ``--batch`` left-padded rows, prefill, decode
 
+Each side runs ``--rounds`` times in alternating order (upstream, patched,
+patched, upstream, ...) after an unrecorded ``--warmup`` run that compiles
+kernels; step times are pooled over the rounds, counts and bytes are the
+worst round's.
+
 Memory figures are bytes above the active memory at the scenario's start, net
 of the random inputs the harness holds during the step. A reallocation is a
 step after which a layer's ``cache.keys`` has another shape or another buffer
@@ -96,21 +101,18 @@ class _Buffers:
         return int(changed)
 
 
-def _plan(args, scenario):
+def _plan(args, scenario, decode=None):
     """[(phase, tokens per step, steps)]"""
+    decode = args.decode if decode is None else decode
 
     def chunks(n):
         return [("prefill", min(args.chunk, n - i), 1) for i in range(0, n, args.chunk)]
 
-    if scenario == "a":
-        return chunks(args.prefill) + [("decode", 1, args.decode)]
-    if scenario == "b":
-        return (
-            chunks(args.long_prefill)
-            + [("decode", 1, args.decode)]
-            + [("turn", args.turn, 1)] * bool(args.turn)
-        )
-    return chunks(args.prefill) + [("decode", 1, args.decode)]
+    prefill = args.long_prefill if scenario == "b" else args.prefill
+    plan = chunks(prefill) + [("decode", 1, decode)]
+    if scenario == "b" and args.turn:
+        plan.append(("turn", args.turn, 1))
+    return plan
 
 
 def _paddings(args):
@@ -125,7 +127,15 @@ def _make(args, scenario):
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
 
 
-def run_side(args, scenario, plan, layerwise=False):
+def _ms(ms):
+    return {
+        "median": float(np.median(ms)),
+        "p99": float(np.percentile(ms, 99)),
+        "max": float(ms.max()),
+    }
+
+
+def run_side(args, scenario, plan, token_bytes, layerwise=False):
     """One side of one scenario; returns (figures, per-step trace)."""
     gc.collect()
     mx.clear_cache()
@@ -156,12 +166,14 @@ def run_side(args, scenario, plan, layerwise=False):
     phase = np.array(trace["phase"])
     ms, transient, peak = (np.array(trace[k]) for k in ("ms", "transient", "peak"))
     dec, pre = phase == "decode", phase == "prefill"
+    tok = token_bytes * batch
     out = {
         "reallocations": sum(reallocs.values()),
         "reallocations_by_phase": reallocs,
-        "reallocations_per_layer": sum(reallocs.values()) / args.layers,
         "worst_transient": int(transient.max()),
         "worst_decode_transient": int(transient[dec].max()) if dec.any() else 0,
+        "worst_decode_step": int(transient[dec].argmax()) if dec.any() else -1,
+        "decode_steps_over_one_token": int((transient[dec] > tok).sum()),
         "peak": int(peak.max()),
         "prefill_peak": int(peak[pre].max()),
         "active_end": trace["active"][-1],
@@ -170,11 +182,7 @@ def run_side(args, scenario, plan, layerwise=False):
         "prefill_ms": [round(x, 3) for x in ms[pre]],
     }
     if dec.any():
-        out["step_ms"] = {
-            "median": float(np.median(ms[dec])),
-            "p99": float(np.percentile(ms[dec], 99)),
-            "max": float(ms[dec].max()),
-        }
+        out["step_ms"] = _ms(ms[dec])
     if (phase == "turn").any():
         turn = phase == "turn"
         out["turn"] = {
@@ -189,9 +197,14 @@ def run_side(args, scenario, plan, layerwise=False):
     return out, trace
 
 
-def _sides():
-    """[(name, switch)]: upstream, then patched."""
-    return [("upstream", mlx_lm_patched.revert), ("patched", mlx_lm_patched.apply)]
+def _merge(figs):
+    """Worst over rounds for counts and bytes, mean for prefill times."""
+    first = figs[0]
+    if isinstance(first, dict):
+        return {k: _merge([f[k] for f in figs]) for k in first}
+    if isinstance(first, list):
+        return [round(float(np.mean(x)), 3) for x in zip(*figs)]
+    return max(figs)
 
 
 def run_scenario(args, scenario, token_bytes):
@@ -200,16 +213,40 @@ def run_scenario(args, scenario, token_bytes):
     res = {"description": SCENARIOS[scenario], "plan": [list(p) for p in plan]}
     if scenario == "c":
         res["left_padding"] = _paddings(args)
+    sides = {"upstream": mlx_lm_patched.revert, "patched": mlx_lm_patched.apply}
+    if args.warmup:
+        for name, switch in sides.items():
+            switch()
+            warm = _plan(args, scenario, decode=args.warmup)
+            run_side(args, scenario, warm, token_bytes)
+    figs = {name: [] for name in sides}
     traces = {}
-    for name, switch in _sides():
-        switch()
-        print(f"[memory] {scenario}: {name}", file=sys.stderr, flush=True)
-        res[name], traces[name] = run_side(args, scenario, plan)
+    for r in range(args.rounds):
+        # Alternate the order (upstream, patched, patched, upstream, ...) so
+        # drift over the run does not favour either side.
+        for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
+            sides[name]()
+            print(f"[memory] {scenario}: {name} round {r}", file=sys.stderr, flush=True)
+            fig, trace = run_side(args, scenario, plan, token_bytes)
+            figs[name].append(fig)
+            traces.setdefault(name, trace)
+            dec = np.array(trace["phase"]) == "decode"
+            fig["decode_ms"] = np.array(trace["ms"])[dec]
+    for name in sides:
+        pooled = np.concatenate([f.pop("decode_ms") for f in figs[name]])
+        res[name] = _merge(figs[name])
+        res[name]["step_ms"] = _ms(pooled)
+        res[name]["step_ms_median_by_round"] = [
+            f["step_ms"]["median"] for f in figs[name]
+        ]
+        res[name]["reallocations_by_round"] = [f["reallocations"] for f in figs[name]]
+        res[name]["reallocations_per_layer"] = res[name]["reallocations"] / args.layers
         if scenario == "b":
             # Prefill and second turn again, one layer's returned arrays alive
             # at a time (the liveness inside a model's forward pass).
+            sides[name]()
             lw = [p for p in plan if p[0] != "decode"]
-            lw_res, _ = run_side(args, scenario, lw, layerwise=True)
+            lw_res, _ = run_side(args, scenario, lw, token_bytes, layerwise=True)
             res[name]["layerwise"] = {
                 k: lw_res[k] for k in ("prefill_peak", "worst_transient", "turn")
             }
@@ -273,6 +310,19 @@ def build_parser():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--scenarios", default="abc", help="any of a, b, c")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="measured runs per side, in alternating order; times are pooled, "
+        "counts and bytes are the worst round's",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=32,
+        help="decode steps of an unrecorded run per side first (0: none)",
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's")
     p.add_argument(
         "--realloc-method",

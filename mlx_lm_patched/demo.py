@@ -49,26 +49,33 @@ def measure(model, prompt, args):
 
 
 def count_reallocations(model, prompt, args):
-    """Per cache type: how often a layer's ``keys`` buffer was replaced or
-    resized between two decode steps (its first allocation not counted)."""
+    """Per phase and cache type: how often a layer's ``keys`` buffer was
+    replaced or resized between two prompt chunks or two decode steps (its
+    first allocation not counted). Prefills the way ``generate_step`` does."""
     cache = make_prompt_cache(model, args.max_kv_size)
     last = [None] * len(cache)
-    counts = Counter({type(c).__name__: 0 for c in cache})
-    for _ in generate_step(
-        prompt,
-        model,
-        max_tokens=args.max_tokens,
-        prompt_cache=cache,
-        prefill_step_size=args.prefill_step_size,
-    ):
+    counts = Counter()
+
+    def observe(phase):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
+            counts[phase, type(c).__name__] += 0
             if last[i] is not None and keys is not None:
                 old, shape = last[i]
                 if keys is not old or getattr(keys, "shape", None) != shape:
-                    counts[type(c).__name__] += 1
+                    counts[phase, type(c).__name__] += 1
             # Holding the old buffer makes identity a sound test of "replaced".
             last[i] = None if keys is None else (keys, getattr(keys, "shape", None))
+
+    step = args.prefill_step_size
+    for start in range(0, prompt.size - 1, step):
+        model(prompt[None, start : min(start + step, prompt.size - 1)], cache=cache)
+        mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None])
+        observe("prompt")
+    for _ in generate_step(
+        prompt[-1:], model, max_tokens=args.max_tokens, prompt_cache=cache
+    ):
+        observe("decode")
     return counts
 
 
@@ -137,22 +144,19 @@ def main():
             mlx_lm_patched.apply(*before)
 
     print(f"\nThe same generation in-process ({args.max_tokens} tokens, greedy):")
-    print(f"  {'':<28}{'upstream':>14}{'patched':>14}")
+    print(f"  {'':<42}{'upstream':>14}{'patched':>14}")
     rows = [
         ("peak memory, prompt", mb(upstream["peaks"][0]), mb(patched["peaks"][0])),
         ("peak memory, decode", mb(upstream["peaks"][1]), mb(patched["peaks"][1])),
         ("cache bytes at the end", mb(upstream["nbytes"]), mb(patched["nbytes"])),
     ]
-    for kind in sorted(set(upstream["reallocs"]) | set(patched["reallocs"])):
-        rows.append(
-            (
-                f"reallocations {kind}",
-                upstream["reallocs"][kind],
-                patched["reallocs"][kind],
-            )
-        )
+    keys = set(upstream["reallocs"]) | set(patched["reallocs"])
+    for phase, kind in sorted(keys, key=lambda k: (k[0] == "decode", k[1])):
+        key = (phase, kind)
+        label = f"reallocations, {phase}, {kind}"
+        rows.append((label, upstream["reallocs"][key], patched["reallocs"][key]))
     for label, a, b in rows:
-        print(f"  {label:<28}{a:>14}{b:>14}")
+        print(f"  {label:<42}{a:>14}{b:>14}")
     same = upstream["tokens"] == patched["tokens"]
     agree = sum(a == b for a, b in zip(upstream["tokens"], patched["tokens"]))
     print(f"  tokens identical: {'yes' if same else 'NO'}", end="")

@@ -1,0 +1,301 @@
+"""RotatingKVCache, preallocated: same answers as upstream, one buffer, fixed defects."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
+from ringref import attend, random_kv, reference_mask, upstream_twin
+
+import mlx_lm_patched
+from mlx_lm_patched import rotating_prealloc
+
+
+@pytest.fixture
+def Upstream(patched):
+    return upstream_twin(rotating_prealloc.PATCH, RotatingKVCache)
+
+
+def same(a, b):
+    if isinstance(a, mx.array) and isinstance(b, mx.array):
+        return a.shape == b.shape and mx.array_equal(a, b).item()
+    return type(a) is type(b) and a == b
+
+
+def random_updates(rng, max_size):
+    sizes = [1, 1, 1, 2, 3, 5, max_size - 1, max_size, 2 * max_size + 1]
+    return [rng.choice(sizes) for _ in range(rng.randint(1, 14))]
+
+
+def feed(cache, sizes, window=None):
+    """Update ``cache`` with random chunks; yield (offset, S, mask, keys, values, k, v)."""
+    for S in sizes:
+        k, v = random_kv(1, 1, S, 4)
+        offset = cache.offset
+        mask = cache.make_mask(S, window_size=window)
+        yield offset, S, mask, *cache.update_and_fetch(k, v), k, v
+
+
+def continue_with(cache, chunks):
+    """Masks and arrays attention sees over ``chunks``, snapshotted."""
+    out = []
+    for k, v in chunks:
+        mask = cache.make_mask(k.shape[2])
+        out.append((mask, *[mx.array(x) for x in cache.update_and_fetch(k, v)]))
+    return out
+
+
+def test_attention_sees_the_same_arrays_as_upstream_when_keep_is_zero(Upstream):
+    rng = random.Random(0)
+    for _ in range(150):
+        max_size = rng.choice([4, 8, 16])
+        window = rng.choice([None, max_size - 2])
+        ours, theirs = RotatingKVCache(max_size), Upstream(max_size)
+        for S in random_updates(rng, max_size):
+            k, v = random_kv(1, 2, S, 4)
+            masks = [c.make_mask(S, window_size=window) for c in (ours, theirs)]
+            # Snapshot: a returned buffer is mutated by the next update.
+            got = [
+                [mx.array(x) for x in c.update_and_fetch(k, v)] for c in (ours, theirs)
+            ]
+            assert same(*masks)
+            assert all(same(a, b) for a, b in zip(*got))
+
+
+def check_against_reference(max_size, keep, window, sizes):
+    cache, seen_k, seen_v = RotatingKVCache(max_size, keep), [], []
+    for offset, S, mask, keys, values, k, v in feed(cache, sizes, window):
+        q = mx.random.normal((1, 1, S, 4))
+        seen_k.append(k), seen_v.append(v)
+        ref = attend(
+            q,
+            mx.concatenate(seen_k, axis=2),
+            mx.concatenate(seen_v, axis=2),
+            reference_mask(offset, S, window or max_size, keep),
+        )
+        if not mx.allclose(attend(q, keys, values, mask), ref, atol=1e-5).item():
+            return False
+    return True
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3])
+def test_attention_equals_an_unbounded_cache_with_a_keep_and_window_mask(keep):
+    rng = random.Random(keep)
+    for _ in range(100):
+        max_size = rng.choice([8, 16])
+        window = rng.choice([None, max_size - 2])
+        assert check_against_reference(
+            max_size, keep, window, random_updates(rng, max_size)
+        )
+
+
+def test_upstream_hides_keep_tokens_from_a_chunk_past_the_ring(upstream):
+    # max_size=8, keep=2, one 12-token prefill: query 9 must see 0, 1, 4..9.
+    assert not check_against_reference(8, 2, None, [12])
+
+
+def test_upstream_rolls_the_decode_mask_as_if_keep_were_zero(upstream):
+    assert not check_against_reference(16, 3, 14, [1] * 40)
+
+
+def data_pointer(a):
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+def test_decode_and_chunked_prefill_never_reallocate_after_first_update(monkeypatch):
+    calls = []
+    concatenate = mx.concatenate
+    monkeypatch.setattr(
+        mx, "concatenate", lambda *a, **k: calls.append(1) or concatenate(*a, **k)
+    )
+    max_size = 64
+    cache = RotatingKVCache(max_size, keep=4)
+    seen = set()
+    for S in [10, 30, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]:
+        k, v = random_kv(1, 2, S, 8)
+        out = cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
+        mx.eval(out, cache.keys, cache.values)
+        seen.add(
+            (cache.keys.shape, data_pointer(cache.keys), data_pointer(cache.values))
+        )
+    assert calls == []
+    assert len(seen) == 1
+    assert cache.nbytes == 2 * 2 * max_size * 8 * 2
+
+
+def test_nbytes_is_the_ring_from_the_first_update_on():
+    cache = RotatingKVCache(32)
+    assert cache.nbytes == 0
+    for _ in range(70):
+        cache.update_and_fetch(*random_kv(1, 2, 1, 8))
+        assert cache.nbytes == 2 * (2 * 32 * 8 * 4)
+
+
+def test_negative_trim_raises_and_changes_nothing():
+    cache = RotatingKVCache(16)
+    cache.update_and_fetch(*random_kv(1, 1, 5, 4))
+    with pytest.raises(ValueError, match="RotatingKVCache.trim.*-1"):
+        cache.trim(-1)
+    assert (cache.offset, cache._idx, cache.size()) == (5, 5, 5)
+
+
+def test_trim_of_a_wrapped_ring_raises_and_changes_nothing():
+    cache = RotatingKVCache(8)
+    for _ in range(11):
+        cache.update_and_fetch(*random_kv(1, 1, 1, 4))
+    before = (cache.offset, cache._idx, mx.array(cache.keys))
+    assert not cache.is_trimmable()
+    with pytest.raises(ValueError, match="wrapped"):
+        cache.trim(2)
+    assert (cache.offset, cache._idx) == before[:2]
+    assert mx.array_equal(cache.keys, before[2]).item()
+
+
+def test_trimmed_ring_continues_like_one_that_never_saw_the_trimmed_tokens():
+    rng = random.Random(3)
+    for _ in range(30):
+        k, v = random_kv(1, 1, 12, 4)
+        trimmed, plain = RotatingKVCache(16, 2), RotatingKVCache(16, 2)
+        trimmed.update_and_fetch(k, v)
+        assert trimmed.trim(rng.randint(0, 20)) <= 12
+        n = trimmed.offset
+        if n:
+            plain.update_and_fetch(k[..., :n, :], v[..., :n, :])
+        chunks = [random_kv(1, 1, S, 4) for S in random_updates(rng, 16)]
+        for want, got in zip(
+            continue_with(plain, chunks), continue_with(trimmed, chunks)
+        ):
+            assert all(same(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((2, 2, 1, 8), mx.float32),
+        ((1, 3, 1, 8), mx.float32),
+        ((1, 2, 1, 16), mx.float32),
+        ((1, 2, 1, 8), mx.float16),
+    ],
+)
+def test_an_update_that_does_not_fit_the_ring_raises_and_changes_nothing(shape, dtype):
+    cache = RotatingKVCache(16)
+    cache.update_and_fetch(*random_kv(1, 2, 3, 8))
+    before = mx.array(cache.keys)
+    k, v = random_kv(*shape)
+    with pytest.raises(ValueError, match="RotatingKVCache holds"):
+        cache.update_and_fetch(k.astype(dtype), v.astype(dtype))
+    assert cache.offset == 3 and mx.array_equal(cache.keys, before).item()
+
+
+@pytest.mark.parametrize("updates", [[5], [20], [20, 1, 1, 3], [6, 1, 1]])
+def test_saved_ring_loads_and_continues_like_the_original(tmp_path, updates):
+    ours = RotatingKVCache(16, keep=2)
+    for S in updates:
+        ours.update_and_fetch(*random_kv(1, 2, S, 4))
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [ours])
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    chunks = [random_kv(1, 2, S, 4) for S in [1, 3, 1, 20, 1]]
+    for want, got in zip(continue_with(ours, chunks), continue_with(loaded, chunks)):
+        assert all(same(a, b) for a, b in zip(want, got))
+    assert loaded.nbytes == ours.nbytes
+
+
+@pytest.mark.parametrize("updates", [[5], [20], [20, 1, 1, 3], [300, 1]])
+def test_a_file_saved_by_upstream_continues_like_upstream(tmp_path, upstream, updates):
+    theirs = RotatingKVCache(16)
+    for S in updates:
+        theirs.update_and_fetch(*random_kv(1, 2, S, 4))
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [theirs])
+    chunks = [random_kv(1, 2, S, 4) for S in [1, 3, 1, 20, 1]]
+    expected = continue_with(theirs, chunks)
+    mlx_lm_patched.apply()
+    (ours,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    for want, got in zip(expected, continue_with(ours, chunks)):
+        assert all(same(a, b) for a, b in zip(want, got))
+
+
+# End to end: greedy tokens of mlx-lm's own models.
+
+
+def greedy(model, prompt, cache, n, prefill_step_size=256):
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        prompt_cache=cache,
+        max_tokens=n,
+        prefill_step_size=prefill_step_size,
+    )
+    return [int(t) for t, _ in steps]
+
+
+def random_prompt(n, seed=1):
+    return mx.random.randint(0, 512, (n,), key=mx.random.key(seed)).tolist()
+
+
+def upstream_and_ours(run):
+    mlx_lm_patched.revert()
+    theirs = run()
+    mlx_lm_patched.apply()
+    return theirs, run()
+
+
+def test_llama_ring_of_512_generates_the_same_tokens_as_upstream(load_tiny, patched):
+    model, _ = load_tiny("llama")
+    prompt = random_prompt(700)
+
+    def run():
+        cache = [RotatingKVCache(512) for _ in model.layers]
+        first = greedy(model, prompt, cache, 2000)
+        return first, greedy(model, random_prompt(300, 2), cache, 100)
+
+    theirs, ours = upstream_and_ours(run)
+    assert len(ours[0]) == 2000 and ours == theirs
+
+
+def test_gemma3_sliding_layers_generate_the_same_tokens_as_upstream(load_tiny, patched):
+    model, _ = load_tiny("gemma3_text", sliding_window=512)
+    prompt = random_prompt(700)
+    theirs, ours = upstream_and_ours(
+        lambda: greedy(model, prompt, make_prompt_cache(model), 700)
+    )
+    assert ours == theirs
+
+
+class WindowReference(KVCache):
+    """An unbounded cache whose mask admits what a ring with ``keep`` should."""
+
+    def __init__(self, max_size, keep):
+        super().__init__()
+        self.max_size, self.keep = max_size, keep
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        return reference_mask(self.offset, N, window_size or self.max_size, self.keep)
+
+
+def test_keep_ring_matches_the_reference_where_upstream_does_not(load_tiny, patched):
+    """``generate --max-kv-size`` uses keep=4: upstream's chunked prefill hides
+    the keep tokens; ours equals an unbounded cache with the keep/window mask,
+    and prefilling in chunks equals feeding token by token."""
+    model, _ = load_tiny("llama")
+    prompt = random_prompt(400)
+
+    def ring():
+        return [RotatingKVCache(128, keep=4) for _ in model.layers]
+
+    reference = greedy(
+        model, prompt, [WindowReference(128, 4) for _ in model.layers], 200
+    )
+    ours = greedy(model, prompt, ring(), 200, prefill_step_size=96)
+    one_by_one = greedy(model, prompt, ring(), 200, prefill_step_size=1)
+    mlx_lm_patched.revert()
+    theirs = greedy(model, prompt, ring(), 200, prefill_step_size=96)
+    assert ours == reference == one_by_one
+    assert theirs != reference

@@ -117,3 +117,79 @@ def test_front_takes_the_same_flags_as_upstream(front, capsys, monkeypatch):
 def test_generate_front_runs_without_warnings():
     done = python("-W", "error::RuntimeWarning", "-m", "mlx_lm_patched.generate", "-h")
     assert "RuntimeWarning" not in done.stderr
+
+
+def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
+    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "200"]
+    args += ["--max-tokens", "40", "--prefill-step-size", "64", "--max-kv-size", "64"]
+    out = python("-m", "mlx_lm_patched.demo", *args).stdout
+    assert "Peak memory:" in out
+    assert "reallocations, prompt, RotatingKVCache" in out
+    assert "tokens identical: yes" in out
+
+
+# mlx_lm_patched.tiny, the models the tests and the demo run on.
+
+
+@pytest.mark.parametrize(
+    "family, caches",
+    [
+        ("llama", {"KVCache"}),
+        ("llama_sliding", {"RotatingKVCache", "KVCache"}),
+        ("qwen3", {"KVCache"}),
+        ("gemma3_text", {"RotatingKVCache", "KVCache"}),
+    ],
+)
+def test_tiny_family_loads_through_mlx_lm_with_its_caches(family, caches, load_tiny):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = load_tiny(family)
+    assert model.model_type == family.split("_sliding")[0]
+    assert {type(c).__name__ for c in make_prompt_cache(model)} == caches
+    text = mlx_lm.generate(model, tokenizer, PROMPT, max_tokens=5)
+    assert isinstance(text, str)
+
+
+def test_tiny_weights_depend_only_on_the_seed(tmp_path):
+    import mlx.core as mx
+
+    a = mx.load(str(tiny.make_model_dir(tmp_path / "a", "qwen3") / "model.safetensors"))
+    b = mx.load(str(tiny.make_model_dir(tmp_path / "b", "qwen3") / "model.safetensors"))
+    c = tiny.make_model_dir(tmp_path / "c", "qwen3", seed=1)
+    c = mx.load(str(c / "model.safetensors"))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+    assert not all(mx.array_equal(a[k], c[k]) for k in a)
+
+
+def test_tiny_dtype_and_overrides_reach_the_model(tmp_path):
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    path = tiny.make_model_dir(tmp_path, "llama", dtype="bfloat16", num_hidden_layers=2)
+    model, _ = load(str(path))
+    assert len(model.layers) == 2
+    assert model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+
+
+def test_tiny_tokenizer_has_eos_and_a_chat_template(load_tiny):
+    _, tokenizer = load_tiny("llama")
+    assert tokenizer.vocab_size == tiny.VOCAB_SIZE
+    assert tokenizer.eos_token == tiny.EOS_TOKEN
+    assert tokenizer.eos_token_id in tokenizer.eos_token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(tokenizer.encode(PROMPT)) == PROMPT
+
+
+def test_demo_model_is_created_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
+    path = tiny.demo_model_dir()
+    assert path == tmp_path / "demo-model"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert tiny.demo_model_dir() == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-model"]

@@ -146,7 +146,8 @@ def write_tokenizer(path: Union[str, Path]) -> Path:
 
 
 def build_model(config: dict, seed: int = 0, dtype: str = "float32"):
-    """An mlx-lm ``Model`` for ``config`` with weights drawn from ``seed``."""
+    """An mlx-lm ``Model`` for ``config``, weights drawn from ``seed`` (this
+    reseeds MLX's global random generator)."""
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ._registry import Patch, class_patch
+from .rotating_prealloc import _put
 
 
 class BatchRotatingKVCache:
@@ -44,8 +45,8 @@ class BatchRotatingKVCache:
         if self.keys is not None:
             self._temporal_order()
             n = min(self._idx, self.max_size)
-            k[..., :n, :] = self.keys[..., self._idx - n : self._idx, :]
-            v[..., :n, :] = self.values[..., self._idx - n : self._idx, :]
+            k = _put(k, self.keys[..., self._idx - n : self._idx, :], [0])
+            v = _put(v, self.values[..., self._idx - n : self._idx, :], [0])
             self.left_padding -= self._idx - n
             self._idx = n
         self.keys, self.values = k, v
@@ -63,10 +64,9 @@ class BatchRotatingKVCache:
 
     def _rewrite(self, columns):
         """Write ``columns`` (temporal order, evaluated) as the live ring."""
-        n = columns[0].shape[2]
-        for cache, new in zip((self.keys, self.values), columns):
-            cache[..., :n, :] = new
-        self._idx = n
+        self.keys = _put(self.keys, columns[0], [0])
+        self.values = _put(self.values, columns[1], [0])
+        self._idx = columns[0].shape[2]
         self.rotated = False
 
     def _roll_right_padding(self, columns):
@@ -112,8 +112,8 @@ class BatchRotatingKVCache:
         self._check(keys, values)
         if self._offset + S <= self.max_size:
             prev = self._offset
-            self.keys[..., prev : prev + S, :] = keys
-            self.values[..., prev : prev + S, :] = values
+            self.keys = _put(self.keys, keys, [prev])
+            self.values = _put(self.values, values, [prev])
             self._offset += S
             self.offset = self.offset + S
             self._idx = self._offset
@@ -231,10 +231,9 @@ class BatchRotatingKVCache:
             rows = c.offset.shape[0]
             if c.keys is not None:
                 order = mx.array(c._order(), mx.int32)
-                keys[row : row + rows, :, n - order.size : n] = c.keys[..., order, :]
-                values[row : row + rows, :, n - order.size : n] = c.values[
-                    ..., order, :
-                ]
+                start, axes = [row, n - order.size], (0, 2)
+                keys = _put(keys, c.keys[..., order, :], start, axes)
+                values = _put(values, c.values[..., order, :], start, axes)
             row += rows
         self.left_padding = mx.concatenate(
             [c.left_padding + n - min(c._offset, c.max_size) for c in caches]
@@ -284,8 +283,9 @@ class BatchRotatingKVCache:
         values = mx.zeros((*shape, Dv), full[0].values.dtype)
         for i, (p, l, c) in enumerate(zip(padding, lengths, caches)):
             if l:
-                keys[i : i + 1, :, p:n] = c._temporal_order(c.keys)[..., -l:, :]
-                values[i : i + 1, :, p:n] = c._temporal_order(c.values)[..., -l:, :]
+                k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+                keys = _put(keys, k[..., -l:, :], [i, p], (0, 2))
+                values = _put(values, v[..., -l:, :], [i, p], (0, 2))
         cache = cls(caches[0].max_size, padding)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
@@ -321,4 +321,5 @@ PATCH = Patch(
             "_update_in_place": "9fa8087f4909",
         },
     ),
+    requires=("rotating_prealloc",),
 )

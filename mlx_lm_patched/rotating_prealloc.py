@@ -19,7 +19,13 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._registry import Patch, class_patch
+from ._registry import Patch, Target, class_patch
+
+
+def _put(buffer, update, start, axes=(2,)):
+    """``buffer[..., start:start + n, :] = update`` into ``buffer``'s memory;
+    ``__setitem__`` over a whole array would return ``update`` itself."""
+    return mx.slice_update(buffer, update, mx.array(start), axes)
 
 
 class RotatingKVCache:
@@ -42,8 +48,8 @@ class RotatingKVCache:
             live = mx.array(
                 list(range(keep)) + list(range(total - n + keep, total)), mx.int32
             )
-            k[..., :n, :] = self._temporal_order(self.keys)[..., live, :]
-            v[..., :n, :] = self._temporal_order(self.values)[..., live, :]
+            k = _put(k, self._temporal_order(self.keys)[..., live, :], [0])
+            v = _put(v, self._temporal_order(self.values)[..., live, :], [0])
             self._idx = n
         self.keys, self.values = k, v
 
@@ -74,10 +80,11 @@ class RotatingKVCache:
         # Done reading the ring: evaluate now so the writes below reuse its buffer.
         mx.eval(seen)
         start = m + S - self.max_size + self.keep
-        for cache, new in zip((self.keys, self.values), seen):
-            if self.offset < self.keep:
-                cache[..., : self.keep, :] = new[..., : self.keep, :]
-            cache[..., self.keep :, :] = new[..., start:, :]
+        if self.offset < self.keep:
+            self.keys = _put(self.keys, seen[0][..., : self.keep, :], [0])
+            self.values = _put(self.values, seen[1][..., : self.keep, :], [0])
+        self.keys = _put(self.keys, seen[0][..., start:, :], [self.keep])
+        self.values = _put(self.values, seen[1][..., start:, :], [self.keep])
         self.offset += keys.shape[2]
         self._idx = self.max_size
         return tuple(seen)
@@ -89,8 +96,8 @@ class RotatingKVCache:
         S = keys.shape[2]
         if self.offset + S <= self.max_size:
             prev = self.offset
-            self.keys[..., prev : prev + S, :] = keys
-            self.values[..., prev : prev + S, :] = values
+            self.keys = _put(self.keys, keys, [prev])
+            self.values = _put(self.values, values, [prev])
             self.offset += S
             self._idx = self.offset
             return self.keys_and_values()
@@ -158,7 +165,8 @@ class RotatingKVCache:
 PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
-    class_patch(
+    [Target("mlx_lm.models.cache", "_put", _put, None)]
+    + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {

@@ -110,16 +110,19 @@ def data_pointer(a):
     return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
 
 
-def test_decode_and_chunked_prefill_never_reallocate_after_first_update(monkeypatch):
+@pytest.mark.parametrize("keep", [0, 4])
+def test_decode_and_chunked_prefill_never_reallocate_after_first_update(
+    monkeypatch, keep
+):
     calls = []
     concatenate = mx.concatenate
     monkeypatch.setattr(
         mx, "concatenate", lambda *a, **k: calls.append(1) or concatenate(*a, **k)
     )
     max_size = 64
-    cache = RotatingKVCache(max_size, keep=4)
+    cache = RotatingKVCache(max_size, keep=keep)
     seen = set()
-    for S in [10, 30, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]:
+    for S in [64, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]:
         k, v = random_kv(1, 2, S, 8)
         out = cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
         mx.eval(out, cache.keys, cache.values)

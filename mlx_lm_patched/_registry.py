@@ -66,7 +66,7 @@ class Target:
         """The upstream object (inherited ones included), or ``_MISSING``."""
         owner = self.resolve_owner()
         if self.key not in _saved:
-            return getattr(owner, self.attr, _MISSING)
+            return inspect.getattr_static(owner, self.attr, _MISSING)
         original = _saved[self.key][0]
         if original is _MISSING and inspect.isclass(owner):
             # Replaced an inherited attribute: look it up past the owner.
@@ -189,7 +189,6 @@ def installed_version() -> str:
 
 def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
     """Apply ``patches`` in order; return the names that are applied now."""
-    by_name = {p.name: p for p in patches}
     for patch in patches:
         if patch.name in _applied:
             continue
@@ -197,7 +196,7 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
         problems += [
             f"needs patch {r!r}, which is not applied"
             for r in patch.requires
-            if r not in _applied and r not in by_name
+            if r not in _applied
         ]
         if problems:
             msg = (

@@ -142,13 +142,6 @@ def test_probe_apply_revert_apply_restores_the_exact_upstream_objects(probe):
     assert not hasattr(ChunkedKVCache, "added_by_probe")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Target.upstream() uses getattr when not patched, so a classmethod "
-    "comes back bound (a new object each call) instead of the stored "
-    "classmethod it returns while patched; drop this mark once it looks the "
-    "attribute up statically (inspect.getattr_static)",
-)
 def test_get_original_is_the_same_object_patched_or_not(probe):
     stored = raw(ChunkedKVCache, "from_state")
     _registry.apply_patches([probe], strict=True)
@@ -260,11 +253,6 @@ def test_patch_whose_requirement_is_missing_is_not_applied(probe):
     assert not hasattr(ChunkedKVCache, "added_by_probe")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply_patches counts a required patch listed in the same call as "
-    "present even when drift skipped it; drop this mark once it checks _applied",
-)
 def test_patch_is_not_applied_when_its_requirement_drifted(upstream_changed):
     needy = _registry.Patch(
         "test_needy",

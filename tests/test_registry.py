@@ -122,7 +122,10 @@ def check_round_trip(patches, apply, revert):
         revert()
         assert snapshot(patches) == original
         for t in all_targets(patches):
-            assert raw(t.resolve_owner(), t.attr) is original[t.key][0]
+            obj = original[t.key][0]
+            assert raw(t.resolve_owner(), t.attr) is obj
+            if obj is not MISSING:
+                assert _registry.get_original(t.owner, t.attr) is obj
         for p in patches:
             assert not _registry.is_applied(p.name)
 

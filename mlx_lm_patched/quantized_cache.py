@@ -1,0 +1,457 @@
+"""``QuantizedKVCache`` done right (issue 4).
+
+Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
+empty, counts and saves its padding, grows by concatenating 256-token steps,
+cannot give its tokens back in full precision, fails on head dims such as 80
+or 96 that group size 64 does not divide, and ``KVCache.to_quantized``
+quantizes the padding too. Here the cache:
+
+- reports live tokens (``size``), rejects negative trims, and ``compact()``
+  frees what trimming left behind; ``nbytes`` is what the buffers hold;
+- allocates once when told the final length (``reserve``), else grows by half
+  its capacity, writing the old tokens into the new buffers (no concatenate);
+- records the quantized dtype and head dims in ``state``, so
+  ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
+  ``to_kv_cache()`` dequantizes to the original dtype;
+- picks a group size that divides the head dim (96 with 64 quantizes with
+  32), or zero-pads it (80), padding the queries to match in
+  ``quantized_scaled_dot_product_attention``;
+- ``prompt_cache_to_host`` copies any prompt cache to numpy on the calling
+  thread (bfloat16 as uint16 bits); ``HostPromptCache.save`` then writes a
+  file ``load_prompt_cache`` reads from any thread without touching MLX.
+"""
+
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map, tree_reduce, tree_unflatten
+from mlx_lm.models import base as _base
+from mlx_lm.models import cache as _cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from ._registry import Patch, Target, class_patch
+
+
+def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):
+    """``(group_size, k_width, v_width)`` to quantize these head dims with.
+
+    The requested group size if it divides both dims, else the largest
+    supported smaller one that does, else both dims (if equal) zero-padded
+    to a multiple of 32.
+    """
+    if group_size not in (32, 64, 128) or bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(
+            f"QuantizedKVCache: unsupported group_size={group_size}, bits={bits} "
+            "(group_size must be 32, 64 or 128; bits 2, 3, 4, 5, 6 or 8)"
+        )
+    for g in (group_size, 64, 32):
+        if g <= group_size and k_head_dim % g == 0 and v_head_dim % g == 0:
+            return g, k_head_dim, v_head_dim
+    if k_head_dim != v_head_dim:
+        raise ValueError(
+            f"QuantizedKVCache: key and value head dims {k_head_dim} and "
+            f"{v_head_dim} are not multiples of 32 and differ, so cannot be padded"
+        )
+    width = (k_head_dim + 31) // 32 * 32
+    return 32, width, width
+
+
+class _QuantizedKVCache:
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        # keys, values: (packed, scales, biases), each (B, H, capacity, ...);
+        # tokens [0, offset) are live, [offset, capacity) are padding.
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        # As asked until the first update, then the one in use (see
+        # _kv_quant_layout); head dims wider than head_dims are zero padding.
+        self.group_size = group_size
+        self.bits = bits
+        self.dtype = None  # name of the quantized keys' dtype, e.g. "bfloat16"
+        self.head_dims = None  # (k_head_dim, v_head_dim) before padding
+        self.reserved = 0  # tokens expected in all; the next allocation holds them
+
+    def update_and_fetch(self, keys, values):
+        B, n_kv_heads, num_steps, k_head_dim = keys.shape
+        v_head_dim = values.shape[-1]
+        if self.keys is not None and (
+            (B, n_kv_heads) != self.keys[0].shape[:2]
+            or (k_head_dim, v_head_dim) != tuple(self.head_dims)
+        ):
+            raise ValueError(
+                f"QuantizedKVCache holds (batch, heads, k_dim, v_dim) "
+                f"{(*self.keys[0].shape[:2], *self.head_dims)}, got "
+                f"{(B, n_kv_heads, k_head_dim, v_head_dim)}"
+            )
+        group_size, k_width, v_width = _kv_quant_layout(
+            k_head_dim, v_head_dim, self.group_size, self.bits
+        )
+        if k_width > k_head_dim:
+            keys = mx.pad(keys, [(0, 0), (0, 0), (0, 0), (0, k_width - k_head_dim)])
+            values = mx.pad(values, [(0, 0), (0, 0), (0, 0), (0, v_width - v_head_dim)])
+        keys = mx.quantize(keys, group_size=group_size, bits=self.bits)
+        values = mx.quantize(values, group_size=group_size, bits=self.bits)
+        prev = self.offset
+        end = prev + num_steps
+
+        if self.keys is None:
+            self.group_size = group_size
+            self.dtype = str(keys[1].dtype).rpartition(".")[2]
+            self.head_dims = (k_head_dim, v_head_dim)
+        capacity = 0 if self.keys is None else self.keys[0].shape[-2]
+        if end > capacity:
+            if end <= self.reserved:
+                capacity = self.reserved
+            else:
+                capacity = max(end, capacity + capacity // 2)
+                capacity = (capacity + self.step - 1) // self.step * self.step
+            if self.keys is not None:
+                self._resize(capacity)
+            elif capacity == num_steps:
+                self.keys, self.values, self.offset = keys, values, end
+                return self.keys_and_values()
+            else:
+                self.keys, self.values = tree_map(
+                    lambda x: mx.zeros((B, n_kv_heads, capacity, x.shape[-1]), x.dtype),
+                    (keys, values),
+                )
+
+        self.offset = end
+        for i in range(len(self.keys)):
+            self.keys[i][..., prev : self.offset, :] = keys[i]
+            self.values[i][..., prev : self.offset, :] = values[i]
+
+        return self.keys_and_values()
+
+    def size(self):
+        return self.offset
+
+    @property
+    def state(self):
+        keys, values = self.keys, self.values
+        if keys is not None and self.offset < keys[0].shape[-2]:
+            keys, values = self.keys_and_values()
+        return (
+            keys,
+            values,
+            self.offset,
+            self.group_size,
+            self.bits,
+            self.dtype,
+            self.head_dims,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, self.offset, self.group_size, self.bits, *meta = v
+        # Upstream's state has no dtype or head dims: read them off the arrays.
+        if keys is not None and not meta:
+            meta = [str(keys[1].dtype).rpartition(".")[2], None]
+        self.dtype, head_dims = meta or (None, None)
+        if keys is not None and head_dims is None:
+            head_dims = (
+                keys[0].shape[-1] * 32 // self.bits,
+                values[0].shape[-1] * 32 // self.bits,
+            )
+        self.head_dims = None if head_dims is None else tuple(head_dims)
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+        self.reserved = 0
+
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(
+                f"QuantizedKVCache.trim: cannot trim a negative number of tokens ({n})"
+            )
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def reserve(self, n):
+        """Expect ``n`` tokens in all: allocate room for them at once."""
+        if n < 0:
+            raise ValueError(f"QuantizedKVCache.reserve: negative token count ({n})")
+        self.reserved = n
+        if self.keys is not None and n > self.keys[0].shape[-2]:
+            self._resize(n)
+
+    def compact(self):
+        """Copy the live tokens into exactly sized buffers, freeing the old ones."""
+        if self.keys is None:
+            return
+        if self.offset == 0:
+            self.keys = self.values = None
+            return
+        if self.offset < self.keys[0].shape[-2]:
+            self._resize(self.offset)
+        mx.eval(self.keys, self.values)
+
+    def _resize(self, capacity):
+        """Move the live tokens into new buffers of ``capacity`` tokens."""
+
+        def resize(x):
+            new = mx.zeros((*x.shape[:-2], capacity, x.shape[-1]), dtype=x.dtype)
+            live = x[..., : self.offset, :]
+            return mx.slice_update(new, live, mx.array([0]), [2])
+
+        self.keys = tuple(resize(x) for x in self.keys)
+        self.values = tuple(resize(x) for x in self.values)
+
+    def to_kv_cache(self) -> KVCache:
+        """The live tokens dequantized into a ``KVCache`` of the original dtype."""
+        kv_cache = KVCache()
+        if self.keys is None or self.offset == 0:
+            return kv_cache
+        keys, values = self.keys_and_values()
+        dtype = getattr(mx, self.dtype)
+        k_head_dim, v_head_dim = self.head_dims
+        keys = mx.dequantize(*keys, group_size=self.group_size, bits=self.bits)
+        values = mx.dequantize(*values, group_size=self.group_size, bits=self.bits)
+        kv_cache.keys = keys[..., :k_head_dim].astype(dtype)
+        kv_cache.values = values[..., :v_head_dim].astype(dtype)
+        kv_cache.offset = self.offset
+        return kv_cache
+
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
+
+
+class _KVCache:
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        quant_cache = QuantizedKVCache(group_size=group_size, bits=bits)
+        if self.keys is not None and self.offset > 0:
+            quant_cache.reserve(self.offset)
+            quant_cache.update_and_fetch(
+                self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+            )
+        return quant_cache
+
+
+def quantized_scaled_dot_product_attention(
+    queries: mx.array,
+    q_keys: tuple[mx.array, mx.array, mx.array],
+    q_values: tuple[mx.array, mx.array, mx.array],
+    scale: float,
+    mask: Optional[mx.array],
+    group_size: int = 64,
+    bits: int = 8,
+) -> mx.array:
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    n_repeats = n_q_heads // n_kv_heads
+
+    queries *= scale
+
+    # A QuantizedKVCache zero-pads head dims no group size divides (keys and
+    # values alike): pad the queries to match, drop the padding from the output.
+    width = q_keys[0].shape[-1] * 32 // bits
+    if width > D:
+        queries = mx.pad(queries, [(0, 0), (0, 0), (0, 0), (0, width - D)])
+
+    if n_repeats > 1:
+        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, width))
+        q_keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_keys)
+        q_values = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_values)
+
+    scores = mx.quantized_matmul(
+        queries, *q_keys, transpose=True, group_size=group_size, bits=bits
+    )
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            q_indices = mx.arange(kL - qL, kL)
+            k_indices = mx.arange(kL)
+            mask = q_indices[:, None] >= k_indices[None]
+        if n_repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores += mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(
+        scores, *q_values, transpose=False, group_size=group_size, bits=bits
+    )
+
+    if n_repeats > 1:
+        out = mx.reshape(out, (B, n_q_heads, L, -1))
+    if width > D:
+        out = out[..., :D]
+
+    return out
+
+
+@dataclass
+class HostPromptCache:
+    """A prompt cache copied to host memory, for serializing on any thread.
+
+    ``arrays`` are numpy copies of the state arrays, bfloat16 as its uint16
+    bits; ``dtypes`` names each array's MLX dtype; ``metadata`` is what
+    ``save_prompt_cache`` writes. ``save`` uses no MLX.
+    """
+
+    arrays: Dict[str, Any]
+    dtypes: Dict[str, str]
+    metadata: Dict[str, str]
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def save(self, file_name: str):
+        """Write a ``.safetensors`` file that ``load_prompt_cache`` reads."""
+        import json
+
+        codes = {
+            "bool_": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
+            "uint64": "U64", "int8": "I8", "int16": "I16", "int32": "I32",
+            "int64": "I64", "float16": "F16", "bfloat16": "BF16",
+            "float32": "F32", "float64": "F64",
+        }  # fmt: skip
+        header = {"__metadata__": self.metadata}
+        start = 0
+        for k, a in self.arrays.items():
+            dtype = codes[self.dtypes[k]]
+            header[k] = {"dtype": dtype, "shape": list(a.shape)}
+            header[k]["data_offsets"] = [start, start + a.nbytes]
+            start += a.nbytes
+        header = json.dumps(header).encode()
+        header += b" " * (-len(header) % 8)
+        with open(file_name, "wb") as f:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            for a in self.arrays.values():
+                f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def prompt_cache_to_host(
+    cache: List[Any], metadata: Optional[Dict[str, str]] = None
+) -> HostPromptCache:
+    """Evaluate ``cache`` and copy its state to numpy, on the calling thread."""
+    import numpy as np
+
+    scalars = [""]  # as in save_prompt_cache
+    arrays, dtypes = {}, {}
+    for k, data in tree_flatten([c.state for c in cache]):
+        if isinstance(data, (int, float, bool)):
+            scalars.append((k, "scalar"))
+            data = mx.array(data)
+        elif isinstance(data, str):
+            scalars.append((k, "string"))
+            data = mx.array([ord(char) for char in data])
+        elif data is None:
+            scalars.append((k, "none"))
+            data = mx.array([])
+        elif not isinstance(data, mx.array):
+            raise ValueError(f"Model state is not serializable: {data}")
+        dtypes[k] = str(data.dtype).rpartition(".")[2]
+        if data.dtype == mx.bfloat16:
+            data = data.view(mx.uint16)
+        arrays[k] = data
+    mx.eval(list(arrays.values()))
+    arrays = {k: np.array(a) for k, a in arrays.items()}
+    classes = [type(c).__name__ for c in cache]
+    cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
+    return HostPromptCache(arrays, dtypes, cache_metadata)
+
+
+def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
+    """The prompt cache ``prompt_cache_to_host`` copied, bit for bit."""
+    arrays = {}
+    for k, a in host.arrays.items():
+        arrays[k] = mx.array(a).view(getattr(mx, host.dtypes[k]))
+    metadata, classes, scalars = tree_unflatten(list(host.metadata.items()))
+    for pos, type in scalars[1:]:
+        array = arrays[pos]
+        if type == "scalar":
+            arrays[pos] = array.item()
+        elif type == "string":
+            arrays[pos] = "".join(chr(i) for i in array.tolist())
+        elif type == "none":
+            arrays[pos] = None
+        else:
+            raise ValueError(f"[prompt_cache_from_host] Unknown type {type}")
+    arrays = tree_unflatten(list(arrays.items()))
+    cache = [globals()[c].from_state(state) for c, state in zip(classes, arrays)]
+    if return_metadata:
+        return cache, metadata
+    return cache
+
+
+def _pasted_into(module, obj):
+    """``obj`` with its functions' globals those of ``module``, as if its source
+    were pasted there: a name that module lacks fails here too."""
+    if isinstance(obj, property):
+        fget, fset = (f and _pasted_into(module, f) for f in (obj.fget, obj.fset))
+        return property(fget, fset, doc=obj.__doc__)
+    if not isinstance(obj, types.FunctionType):
+        return obj
+    fn = types.FunctionType(
+        obj.__code__, vars(module), obj.__name__, obj.__defaults__, obj.__closure__
+    )
+    fn.__kwdefaults__ = obj.__kwdefaults__
+    fn.__doc__, fn.__qualname__ = obj.__doc__, obj.__qualname__
+    fn.__module__, fn.__annotations__ = module.__name__, obj.__annotations__
+    return fn
+
+
+for _ns in (_QuantizedKVCache, _KVCache):
+    for _name, _value in list(vars(_ns).items()):
+        if isinstance(_value, (property, types.FunctionType)):
+            setattr(_ns, _name, _pasted_into(_cache, _value))
+_kv_quant_layout = _pasted_into(_cache, _kv_quant_layout)
+prompt_cache_to_host = _pasted_into(_cache, prompt_cache_to_host)
+prompt_cache_from_host = _pasted_into(_cache, prompt_cache_from_host)
+quantized_scaled_dot_product_attention = _pasted_into(
+    _base, quantized_scaled_dot_product_attention
+)
+
+
+PATCH = Patch(
+    "quantized_cache",
+    "QuantizedKVCache: live size, compaction, geometric growth, dequantized and "
+    "host export, bit-exact save/load, any head dim",
+    [
+        Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
+        Target("mlx_lm.models.cache", "HostPromptCache", HostPromptCache, None),
+        Target(
+            "mlx_lm.models.cache", "prompt_cache_to_host", prompt_cache_to_host, None
+        ),
+        Target(
+            "mlx_lm.models.cache",
+            "prompt_cache_from_host",
+            prompt_cache_from_host,
+            None,
+        ),
+        Target(
+            "mlx_lm.models.base",
+            "quantized_scaled_dot_product_attention",
+            quantized_scaled_dot_product_attention,
+            "f42bc5d03992",
+        ),
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:QuantizedKVCache",
+        _QuantizedKVCache,
+        {
+            "__init__": "c8217697b4c0",
+            "update_and_fetch": "5096c112dfde",
+            "size": "6b9dbb3b7aa4",
+            "state": "069c07781538",
+            "trim": "6ebc79648024",
+            "reserve": None,
+            "compact": None,
+            "_resize": None,
+            "to_kv_cache": None,
+            "nbytes": "82f80ece693d",
+        },
+    )
+    + class_patch(
+        "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
+    ),
+)

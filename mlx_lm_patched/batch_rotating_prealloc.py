@@ -5,6 +5,10 @@ once per batch composition (``merge``, ``extend`` and ``filter`` change the
 number of rows, so they build a new ring); decode and chunked prefill write
 into it in place, and right padding is rolled into left padding in place.
 
+Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
+does (upstream's batch cache has no ``keep``, so batched rows of
+``generate --max-kv-size`` diverge from their single streams).
+
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
 token), a loaded cache can be updated (upstream: ``AttributeError:
@@ -13,7 +17,7 @@ empty cache, and ``trim`` rejects negative counts and never makes a row's
 offset negative.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -23,26 +27,51 @@ from .rotating_prealloc import _put
 
 
 class BatchRotatingKVCache:
-    # Ring of ``max_size`` columns; column ``t`` of the shared timeline holds
-    # one token per row, ``n = min(_offset, max_size)`` columns are live:
-    # - ``_offset <= max_size``: slot ``t`` holds column ``t``, ``_idx == _offset``;
-    # - ``_offset > max_size``: the oldest live column is at ``_idx % max_size``.
-    # ``left_padding[b]``: index, in temporal order of the live columns, of
-    # row ``b``'s first real token (negative once it was evicted);
-    # ``offset[b]``: real tokens row ``b`` has seen.
+    # Ring of ``max_size`` slots. Slots ``[0, keep)`` hold each row's first
+    # ``keep`` real tokens (its sinks); slots ``[keep, max_size)`` a window of
+    # ``R = max_size - keep`` columns of the shared timeline, one token per row,
+    # ``n = min(_offset, R)`` of them live:
+    # - ``_offset <= R``: column ``t`` at slot ``keep + t``, ``_idx == keep + _offset``;
+    # - ``_offset > R``: the oldest live column at slot ``_idx`` (``keep`` when
+    #   ``_idx == max_size``).
+    # ``left_padding[b]``: index among the live columns, oldest first, of row
+    # ``b``'s first real token (negative once evicted); ``offset[b]``: real
+    # tokens row ``b`` has seen. A row's first ``keep`` tokens also sit in the
+    # window, masked: attention reads them from the sinks.
+
+    def __init__(self, max_size, left_padding: List[int], keep: int = 0):
+        self.keys = None
+        self.values = None
+
+        self.left_padding = mx.array(left_padding)
+        self.offset = mx.array([-l for l in left_padding])
+
+        self.max_size = max_size
+        self.keep = keep
+        self._idx = keep
+        self._offset = 0
+        self.rotated = False
+
+        # Lengths for right_padded inputs to make sure that padding tokens do
+        # not evict valid tokens.
+        self._lengths = None
 
     def _order(self):
         """Slots of the live columns, oldest first."""
-        n = min(self._offset, self.max_size)
-        idx = self._idx % self.max_size if self._offset > self.max_size else 0
-        return list(range(idx, n)) + list(range(idx))
+        window = self.max_size - self.keep
+        if self._offset <= window:
+            return list(range(self.keep, self.keep + self._offset))
+        idx = self._idx if self._idx < self.max_size else self.keep
+        return list(range(idx, self.max_size)) + list(range(self.keep, idx))
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
         B, H, _, Dk = keys.shape
         k = mx.zeros((B, H, self.max_size, Dk), keys.dtype)
         v = mx.zeros((B, H, self.max_size, values.shape[3]), values.dtype)
-        if self.keys is not None:
+        if self.keys is not None and self.keep:  # our own, saved linear
+            k, v = _put(k, self.keys, [0]), _put(v, self.values, [0])
+        elif self.keys is not None:  # upstream's layout, rolled or longer
             self._temporal_order()
             n = min(self._idx, self.max_size)
             k = _put(k, self.keys[..., self._idx - n : self._idx, :], [0])
@@ -62,11 +91,28 @@ class BatchRotatingKVCache:
                 f"of {keys.dtype}"
             )
 
+    def _update_sinks(self, keys, values):
+        """Copy the new tokens that are among a row's first ``keep`` to its sinks."""
+        S, n = keys.shape[2], min(self._offset, self.max_size - self.keep)
+        real = self.offset + S
+        if self._lengths is not None:
+            real = mx.minimum(real, self._lengths)
+        sink = mx.arange(self.keep)[None]
+        column = sink + self.left_padding[:, None] - n
+        take = ((column >= 0) & (column < S) & (sink < real[:, None]))[:, None, :, None]
+        column = mx.clip(column, 0, S - 1)[:, None, :, None]
+        for name, new in (("keys", keys), ("values", values)):
+            old = getattr(self, name)
+            sinks = mx.where(
+                take, mx.take_along_axis(new, column, axis=2), old[..., : self.keep, :]
+            )
+            setattr(self, name, _put(old, sinks, [0]))
+
     def _rewrite(self, columns):
-        """Write ``columns`` (temporal order, evaluated) as the live ring."""
-        self.keys = _put(self.keys, columns[0], [0])
-        self.values = _put(self.values, columns[1], [0])
-        self._idx = columns[0].shape[2]
+        """Write ``columns`` (temporal order, evaluated) as the live window."""
+        self.keys = _put(self.keys, columns[0], [self.keep])
+        self.values = _put(self.values, columns[1], [self.keep])
+        self._idx = self.keep + columns[0].shape[2]
         self.rotated = False
 
     def _roll_right_padding(self, columns):
@@ -80,25 +126,29 @@ class BatchRotatingKVCache:
         return [mx.take_along_axis(c, src, axis=2) for c in columns]
 
     def _update_past_ring(self, keys, values):
-        """A multi-token update past the ring: attention sees the last
-        ``max_size - 1`` columns and the new ones; the ring keeps the newest."""
-        n = min(self._offset, self.max_size)
-        m = min(n, self.max_size - 1)
+        """A multi-token update past the window: attention sees the sinks, the
+        last ``R - 1`` columns and the new ones; the ring keeps the newest."""
+        window = self.max_size - self.keep
+        n = min(self._offset, window)
+        m = min(n, window - 1)
         order = mx.array(self._order()[n - m :], mx.int32)
         seen = []
         for cache, new in ((self.keys, keys), (self.values, values)):
             B, H, S, D = new.shape
-            seen.append(mx.zeros((B, H, m + S, D), new.dtype))
-            seen[-1][..., :m, :] = cache[..., order, :]
-            seen[-1][..., m:, :] = new
+            seen.append(mx.zeros((B, H, self.keep + m + S, D), new.dtype))
+            seen[-1][..., : self.keep, :] = cache[..., : self.keep, :]
+            seen[-1][..., self.keep : self.keep + m, :] = cache[..., order, :]
+            seen[-1][..., self.keep + m :, :] = new
         # Done reading the ring: evaluate now so the writes below reuse its buffer.
         mx.eval(seen)
         self._offset += S
         self.offset = self.offset + S
+        kept = [c[..., self.keep :, :] for c in seen]
         # Padding must not take the place of real tokens in the ring.
-        kept = seen if self._lengths is None else self._roll_right_padding(seen)
-        self._rewrite([c[..., m + S - self.max_size :, :] for c in kept])
-        self.left_padding -= n + S - self.max_size
+        if self._lengths is not None:
+            kept = self._roll_right_padding(kept)
+        self._rewrite([c[..., m + S - window :, :] for c in kept])
+        self.left_padding -= n + S - window
         return tuple(seen)
 
     def update_and_fetch(self, keys, values):
@@ -110,17 +160,20 @@ class BatchRotatingKVCache:
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
         self._check(keys, values)
-        if self._offset + S <= self.max_size:
-            prev = self._offset
+        if self.keep:
+            self._update_sinks(keys, values)
+        if self._offset + S <= self.max_size - self.keep:
+            prev = self._idx
             self.keys = _put(self.keys, keys, [prev])
             self.values = _put(self.values, values, [prev])
             self._offset += S
             self.offset = self.offset + S
-            self._idx = self._offset
+            self._idx += S
             return self.keys_and_values()
         if S > 1:
             return self._update_past_ring(keys, values)
-        self._idx %= self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
         self.rotated = True
         self.left_padding -= 1
         self.keys[..., self._idx : self._idx + 1, :] = keys
@@ -128,6 +181,12 @@ class BatchRotatingKVCache:
         self._offset += 1
         self.offset = self.offset + 1
         self._idx += 1
+        return self.keys, self.values
+
+    def keys_and_values(self):
+        if self._offset < self.max_size - self.keep:
+            end = self.keep + self._offset
+            return self.keys[..., :end, :], self.values[..., :end, :]
         return self.keys, self.values
 
     def finalize(self):
@@ -143,8 +202,9 @@ class BatchRotatingKVCache:
     @property
     def state(self):
         k, v = self.keys, self.values
-        if k is not None and self._offset < k.shape[2]:
-            k, v = k[..., : self._offset, :], v[..., : self._offset, :]
+        if k is not None and self.keep + self._offset < k.shape[2]:
+            end = self.keep + self._offset
+            k, v = k[..., :end, :], v[..., :end, :]
         return (
             k,
             v,
@@ -154,10 +214,12 @@ class BatchRotatingKVCache:
             self._offset,
             self._idx,
             self.rotated,
+            self.keep,
         )
 
     @state.setter
     def state(self, v):
+        # Upstream's state has no ``keep``.
         (
             self.keys,
             self.values,
@@ -167,21 +229,27 @@ class BatchRotatingKVCache:
             self._offset,
             self._idx,
             self.rotated,
-        ) = v
+            self.keep,
+        ) = (
+            (*v, 0) if len(v) == 8 else v
+        )
         self._lengths = None
+
+    def is_trimmable(self):
+        return self._offset < self.max_size - self.keep
 
     def trim(self, n):
         if n < 0:
             raise ValueError(f"BatchRotatingKVCache.trim: n must be >= 0, got {n}")
-        if n and self._offset > self.max_size:
+        if n and self._offset > self.max_size - self.keep:
             raise ValueError(
                 f"BatchRotatingKVCache.trim: the ring has wrapped (offset "
-                f"{self._offset} > max_size {self.max_size}), its oldest tokens "
-                "are gone; check is_trimmable() first"
+                f"{self._offset} > {self.max_size - self.keep} columns), its "
+                "oldest tokens are gone; check is_trimmable() first"
             )
         n = min(self._offset, n)
         self._offset -= n
-        self._idx = self._offset
+        self._idx = self.keep + self._offset
         self.offset = mx.maximum(self.offset - n, 0)
         self.left_padding = mx.minimum(self.left_padding, self._offset)
         return n
@@ -189,31 +257,46 @@ class BatchRotatingKVCache:
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
-        window_size = window_size or self.max_size
-        n = min(self._offset, self.max_size)
-        wraps = N == 1 and self._offset >= self.max_size
+        # A row sees its sinks up to its own position, and the real columns
+        # past its sinks among the ``window_size - keep`` newest.
+        window = (window_size or self.max_size) - self.keep
+        columns = self.max_size - self.keep
+        n = min(self._offset, columns)
+        wraps = N == 1 and self._offset >= columns
         if wraps:
-            # One token written over the oldest column of the full ring.
-            offset, dropped = self.max_size - 1, 1
-        elif self._offset + N > self.max_size:
-            # Attention sees the last ``max_size - 1`` columns, then the new ones.
-            offset = min(n, self.max_size - 1)
+            # One token written over the oldest column of the full window.
+            offset, dropped = columns - 1, 1
+        elif self._offset + N > columns:
+            # Attention sees the last ``R - 1`` columns, then the new ones.
+            offset = min(n, columns - 1)
             dropped = n - offset
         else:
             offset, dropped = self._offset, 0
-        left_padding = self.left_padding - dropped
-        rinds = mx.arange(offset + N)
-        linds = mx.arange(offset, offset + N)[:, None]
-        mask = (linds >= rinds) & (linds < rinds + window_size)
-        mask = mask & (rinds >= mx.expand_dims(left_padding, (1, 2, 3)))
+        left_padding = mx.expand_dims(self.left_padding - dropped, (1, 2, 3))
+        slot = mx.arange(self.keep + offset + N)
         if wraps:
-            mask = mx.roll(mask, shift=self._idx % self.max_size + 1, axis=-1)
+            idx = self._idx if self._idx < self.max_size else self.keep
+            rinds = (slot - idx - 1) % columns
+        else:
+            rinds = slot - self.keep
+        linds = mx.arange(offset, offset + N)[:, None]
+        mask = (linds >= rinds) & (linds < rinds + window)
+        mask = mask & (rinds >= left_padding + self.keep)
+        if self.keep:
+            sinks = (slot < self.keep) & (slot <= linds - left_padding)
+            mask = sinks | (mask & (slot >= self.keep))
         return mask
 
     def extend(self, other):
         """
         In-place extend this cache with the other cache.
         """
+        if (other.max_size, other.keep) != (self.max_size, self.keep):
+            raise ValueError(
+                "BatchRotatingKVCache can only extend with a cache of the same "
+                f"max_size and keep, got {(self.max_size, self.keep)} and "
+                f"{(other.max_size, other.keep)}"
+            )
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -222,48 +305,54 @@ class BatchRotatingKVCache:
         _, H, _, Dk = full.keys.shape
         Dv = full.values.shape[3]
         caches = (self, other)
-        n = max(min(c._offset, c.max_size) for c in caches)
+        live = [min(c._offset, c.max_size - c.keep) for c in caches]
+        n = max(live)
         B = sum(c.offset.shape[0] for c in caches)
         keys = mx.zeros((B, H, self.max_size, Dk), full.keys.dtype)
         values = mx.zeros((B, H, self.max_size, Dv), full.values.dtype)
         row = 0
         for c in caches:
-            rows = c.offset.shape[0]
             if c.keys is not None:
-                order = mx.array(c._order(), mx.int32)
-                start, axes = [row, n - order.size], (0, 2)
-                keys = _put(keys, c.keys[..., order, :], start, axes)
-                values = _put(values, c.values[..., order, :], start, axes)
-            row += rows
+                slots = mx.array(list(range(c.keep)) + c._order(), mx.int32)
+                start = [row, self.keep + n - len(c._order())]
+                k, v = c.keys[..., slots, :], c.values[..., slots, :]
+                keys = _put(keys, k[..., : c.keep, :], [row, 0], (0, 2))
+                values = _put(values, v[..., : c.keep, :], [row, 0], (0, 2))
+                keys = _put(keys, k[..., c.keep :, :], start, (0, 2))
+                values = _put(values, v[..., c.keep :, :], start, (0, 2))
+            row += c.offset.shape[0]
         self.left_padding = mx.concatenate(
-            [c.left_padding + n - min(c._offset, c.max_size) for c in caches]
+            [c.left_padding + n - l for c, l in zip(caches, live)]
         )
         self.offset = mx.concatenate([c.offset for c in caches])
         self.keys, self.values = keys, values
         self._offset = max(c._offset for c in caches)
-        self._idx = n
+        self._idx = self.keep + n
         self.rotated = False
 
     def extract(self, idx):
-        cache = RotatingKVCache(self.max_size)
+        cache = RotatingKVCache(self.max_size, self.keep)
         mx.eval(self.left_padding, self.offset)
         cache.offset = self.offset.tolist()[idx]
         if self.keys is None:
             cache.offset = 0
             return cache
-        padding = max(0, self.left_padding.tolist()[idx])
-        live = mx.array(self._order()[padding:], mx.int32)
+        sinks = min(self.keep, cache.offset)
+        padding = max(0, self.left_padding.tolist()[idx] + self.keep)
+        slots = mx.array(list(range(sinks)) + self._order()[padding:], mx.int32)
         # A gather copies: the row does not pin the batch's buffers.
-        cache.keys = self.keys[idx : idx + 1, :, live]
-        cache.values = self.values[idx : idx + 1, :, live]
-        cache._idx = live.size
+        cache.keys = self.keys[idx : idx + 1, :, slots]
+        cache.values = self.values[idx : idx + 1, :, slots]
+        cache._idx = slots.size
         return cache
 
     @classmethod
     def merge(cls, caches):
-        if not all(c.max_size == caches[0].max_size for c in caches):
+        max_size, keep = caches[0].max_size, caches[0].keep
+        if not all((c.max_size, c.keep) == (max_size, keep) for c in caches):
             raise ValueError(
-                "BatchRotatingKVCache can only merge caches with the same maximum size"
+                "BatchRotatingKVCache can only merge caches with the same maximum "
+                f"size and keep, got {[(c.max_size, c.keep) for c in caches]}"
             )
         full = [c for c in caches if c.keys is not None]
         if len({(c.keys.shape[1], c.keys.shape[3], c.keys.dtype) for c in full}) > 1:
@@ -271,25 +360,29 @@ class BatchRotatingKVCache:
                 "BatchRotatingKVCache can only merge caches with the same heads, "
                 f"head dim and dtype, got {[(c.keys.shape, c.keys.dtype) for c in full]}"
             )
-        lengths = [c.size() for c in caches]
-        n = max(lengths)
+        # Each row keeps its sinks and its newest ``R`` tokens as columns.
+        columns = [min(c.offset, max_size - keep) for c in caches]
+        n = max(columns)
         if n == 0:
-            return cls(caches[0].max_size, [0] * len(caches))
-        padding = [n - l for l in lengths]
+            return cls(max_size, [0] * len(caches), keep)
         _, H, _, Dk = full[0].keys.shape
         Dv = full[0].values.shape[3]
-        shape = (len(caches), H, caches[0].max_size)
+        shape = (len(caches), H, max_size)
         keys = mx.zeros((*shape, Dk), full[0].keys.dtype)
         values = mx.zeros((*shape, Dv), full[0].values.dtype)
-        for i, (p, l, c) in enumerate(zip(padding, lengths, caches)):
+        for i, (l, c) in enumerate(zip(columns, caches)):
             if l:
                 k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-                keys = _put(keys, k[..., -l:, :], [i, p], (0, 2))
-                values = _put(values, v[..., -l:, :], [i, p], (0, 2))
-        cache = cls(caches[0].max_size, padding)
+                s = min(keep, c.offset)
+                keys = _put(keys, k[..., :s, :], [i, 0], (0, 2))
+                values = _put(values, v[..., :s, :], [i, 0], (0, 2))
+                keys = _put(keys, k[..., -l:, :], [i, keep + n - l], (0, 2))
+                values = _put(values, v[..., -l:, :], [i, keep + n - l], (0, 2))
+        cache = cls(max_size, [n - c.offset for c in caches], keep)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
-        cache._idx = cache._offset = n
+        cache._offset = n
+        cache._idx = keep + n
         return cache
 
 
@@ -300,15 +393,19 @@ PATCH = Patch(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         BatchRotatingKVCache,
         {
+            "__init__": "20ae6efbecba",
             "_order": None,
             "_allocate": None,
             "_check": None,
+            "_update_sinks": None,
             "_rewrite": None,
             "_roll_right_padding": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
+            "keys_and_values": "b7bc1f199038",
             "finalize": "3b873fc3d89c",
             "state": "6b269fad0f9b",
+            "is_trimmable": "f266b2c1321a",
             "trim": "6016a533a41f",
             "make_mask": "0ead5fbf5d65",
             "extend": "2710c7080f16",

@@ -24,10 +24,10 @@ H, D = 2, 4
 class Rows:
     """A batch cache and, beside it, every real token of each row."""
 
-    def __init__(self, max_size, lengths):
-        self.max_size, self.history, singles = max_size, [], []
+    def __init__(self, max_size, lengths, keep=0):
+        self.max_size, self.keep, self.history, singles = max_size, keep, [], []
         for n in lengths:
-            single = RotatingKVCache(max_size)
+            single = RotatingKVCache(max_size, keep)
             k, v = random_kv(1, H, n, D)
             if n:
                 single.update_and_fetch(k, v)
@@ -54,9 +54,8 @@ class Rows:
             hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
             hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
             self.history[b] = (hk, hv)
-            ref = attend(
-                q[b : b + 1, :, :n], hk, hv, reference_mask(offset, n, self.max_size)
-            )
+            mask = reference_mask(offset, n, self.max_size, self.keep)
+            ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
             ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
         return ok
 
@@ -66,7 +65,8 @@ class Rows:
         q = mx.random.normal((1, H, 1, D))
         out = attend(q, *single.update_and_fetch(k, v), single.make_mask(1))
         hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
-        ref = attend(q, hk, hv, reference_mask(hk.shape[2] - 1, 1, self.max_size))
+        mask = reference_mask(hk.shape[2] - 1, 1, self.max_size, self.keep)
+        ref = attend(q, hk, hv, mask)
         return mx.allclose(out, ref, atol=1e-5).item()
 
     def filter(self, rows):
@@ -74,17 +74,16 @@ class Rows:
         self.history = [self.history[i] for i in rows]
 
     def extend(self, n):
-        other = Rows(self.max_size, [n])
+        other = Rows(self.max_size, [n], self.keep)
         self.cache.extend(other.cache)
         self.history += other.history
 
 
-def random_session(rng):
+def random_session(rng, keep=0):
     """Apply random batch operations; return the first that fails, or None."""
-    max_size = rng.choice([4, 8, 16])
-    rows = Rows(
-        max_size, [rng.randint(0, 2 * max_size) for _ in range(rng.randint(1, 3))]
-    )
+    max_size = rng.choice([6, 8, 16])
+    lengths = [rng.randint(0, 2 * max_size) for _ in range(rng.randint(1, 3))]
+    rows = Rows(max_size, lengths, keep)
     log = [("merge", [h[0].shape[2] for h in rows.history])]
     for _ in range(rng.randint(1, 12)):
         op = rng.choice(
@@ -112,9 +111,10 @@ def random_session(rng):
     return None
 
 
-def test_every_row_sees_its_own_window_through_random_batch_operations(patched):
-    rng = random.Random(0)
-    failures = [f for f in (random_session(rng) for _ in range(200)) if f]
+@pytest.mark.parametrize("keep", [0, 1, 4])
+def test_every_row_sees_its_own_window_through_random_batch_operations(patched, keep):
+    rng = random.Random(keep)
+    failures = [f for f in (random_session(rng, keep) for _ in range(150)) if f]
     assert failures == []
 
 
@@ -238,3 +238,35 @@ def test_batch_generate_matches_upstream_and_single_streams(load_tiny, patched):
         steps = generate_step(mx.array(p), model, prompt_cache=make_prompt_cache(model))
         singles.append([int(t) for (t, _), _ in zip(steps, range(100))])
     assert ours == theirs == singles
+
+
+def test_batched_rows_with_keep_equal_their_single_streams(load_tiny, patched):
+    """qwen3 has no make_cache: ``max_kv_size`` gives RotatingKVCache(keep=4),
+    which upstream's batch cache ignores (its rows diverge)."""
+    model, tokenizer = load_tiny("qwen3")
+    prompts = [mx.random.randint(0, 512, (n,)).tolist() for n in (40, 150, 300)]
+
+    def run():
+        batch = batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=100,
+            max_kv_size=64,
+            prefill_step_size=64,
+            return_token_ids=True,
+        )
+        singles = []
+        for p in prompts:
+            cache = make_prompt_cache(model, max_kv_size=64)
+            steps = generate_step(
+                mx.array(p), model, prompt_cache=cache, prefill_step_size=64
+            )
+            singles.append([int(t) for (t, _), _ in zip(steps, range(100))])
+        return batch.token_ids, singles
+
+    ours, singles = run()
+    assert ours == singles
+    mlx_lm_patched.revert()
+    theirs, singles = run()
+    assert theirs != singles

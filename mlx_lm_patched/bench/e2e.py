@@ -1,7 +1,8 @@
 """End-to-end: a Llama-8B-shaped model with random bf16 weights, generating.
 
-``mlx_lm.generate.generate_step`` prefills a ``--prompt``-token prompt in
-``--chunk``-token chunks and decodes ``--decode`` tokens, once per cache:
+A ``--prompt``-token prompt is prefilled in ``--chunk``-token chunks as
+``mlx_lm.generate.generate_step`` does (each chunk's peak recorded), then
+``generate_step`` decodes ``--decode`` tokens, once per cache:
 ``RotatingKVCache(--max-size, keep)`` per layer upstream (reverted) and
 patched (applied), and an unbounded ``KVCache``. Reports peak memory above
 the weights during prefill and during decode, and decode tokens per second:
@@ -56,23 +57,34 @@ def _caches(args, kind):
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
 
 
+def _peak(weights):
+    return max(mx.get_peak_memory(), mx.get_active_memory()) - weights
+
+
 def run(model, args, kind, prompt, weights):
     gc.collect()
     mx.clear_cache()
     cache = _caches(args, kind)
-    mx.reset_peak_memory()
+    # generate_step's prefill, one chunk at a time to see each chunk's peak:
+    # all but the last token in chunks, evaluating the caches' state.
+    chunk_peaks = []
     tic = time.perf_counter()
+    for i in range(0, len(prompt) - 1, args.chunk):
+        mx.reset_peak_memory()
+        model(prompt[i : min(i + args.chunk, len(prompt) - 1)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        chunk_peaks.append(_peak(weights))
+    mx.reset_peak_memory()
     gen = generate_step(
-        prompt,
+        prompt[-1:],
         model,
         max_tokens=args.decode + 1,
         prompt_cache=cache,
-        prefill_step_size=args.chunk,
         sampler=lambda x: mx.argmax(x, axis=-1),
     )
     next(gen)
     prefill_s = time.perf_counter() - tic
-    prefill_peak = max(mx.get_peak_memory(), mx.get_active_memory()) - weights
+    first_token_peak = _peak(weights)
     mx.reset_peak_memory()
     tic = time.perf_counter()
     n = sum(1 for _ in gen)
@@ -80,17 +92,24 @@ def run(model, args, kind, prompt, weights):
     out = {
         "prefill_s": prefill_s,
         "prefill_tok_s": len(prompt) / prefill_s,
-        "prefill_peak_above_weights": prefill_peak,
+        "prefill_peak_above_weights": max(chunk_peaks + [first_token_peak]),
+        "chunk_peaks_above_weights": chunk_peaks,
         "decode_tokens": n,
         "decode_tok_s": n / decode_s,
-        "decode_peak_above_weights": max(mx.get_peak_memory(), mx.get_active_memory())
-        - weights,
+        "decode_peak_above_weights": _peak(weights),
         "cache_nbytes_end": sum(c.nbytes for c in cache),
     }
     del cache, gen
     gc.collect()
     mx.clear_cache()
     return out
+
+
+def _merge(values, key):
+    """Peaks: the worst round's; the rest: the mean."""
+    if isinstance(values[0], list):
+        return [_merge(list(x), key) for x in zip(*values)]
+    return max(values) if "peak" in key else np.mean(values)
 
 
 def _plain(v):
@@ -161,10 +180,7 @@ def main(argv=None):
                 runs[name].append(out)
     for name, outs in runs.items():
         # Peaks: the worst round; speeds: the mean.
-        result[name] = {
-            k: (max if k.endswith("weights") else np.mean)([o[k] for o in outs])
-            for k in outs[0]
-        }
+        result[name] = {k: _merge([o[k] for o in outs], k) for k in outs[0]}
         result[name]["decode_tok_s_by_round"] = [o["decode_tok_s"] for o in outs]
         result[name] = {k: _plain(v) for k, v in result[name].items()}
     mlx_lm_patched.apply()

@@ -9,7 +9,13 @@ are applied and whether upstream still matches what they were written for.
 import os
 from typing import Dict, List
 
-from . import _registry, batch_rotating_prealloc, quantized_cache, rotating_prealloc
+from . import (
+    _registry,
+    batch_rotating_prealloc,
+    bounded_attention,
+    quantized_cache,
+    rotating_prealloc,
+)
 from ._registry import (
     UPSTREAM_VERSION,
     PatchDriftError,
@@ -24,6 +30,7 @@ __version__ = "0.1.0"
 PATCHES: List[_registry.Patch] = [
     rotating_prealloc.PATCH,
     batch_rotating_prealloc.PATCH,
+    bounded_attention.PATCH,
     quantized_cache.PATCH,
 ]
 

@@ -67,7 +67,7 @@ class Target:
         owner = self.resolve_owner()
         if self.key not in _saved:
             return inspect.getattr_static(owner, self.attr, _MISSING)
-        original = _saved[self.key][0]
+        original = _saved[self.key]
         if original is _MISSING and inspect.isclass(owner):
             # Replaced an inherited attribute: look it up past the owner.
             for base in owner.__mro__[1:]:
@@ -129,9 +129,20 @@ def class_patch(
     return targets + [Target(owner, n, REMOVED, f) for n, f in removes.items()]
 
 
-# (owner, attr) -> (original or _MISSING, [modules rebound alongside a module owner])
-_saved: Dict[Tuple[str, str], Tuple[Any, List[Any]]] = {}
+# (owner, attr) -> the upstream object, or _MISSING where upstream had none
+_saved: Dict[Tuple[str, str], Any] = {}
 _applied: Dict[str, Patch] = {}
+
+
+def _importers(owner, attr: str, obj) -> List[Any]:
+    """Other mlx-lm modules that bound ``obj`` as ``attr`` (``from ... import``)."""
+    return [
+        mod
+        for name, mod in list(sys.modules.items())
+        if name.startswith("mlx_lm")
+        and mod is not owner
+        and getattr(mod, "__dict__", {}).get(attr) is obj
+    ]
 
 
 def _set(target: Target):
@@ -141,18 +152,10 @@ def _set(target: Target):
         if inspect.isclass(owner)
         else getattr(owner, target.attr, _MISSING)
     )
-    rebound = []
     if inspect.ismodule(owner) and original is not _MISSING:
-        # Modules that did ``from .cache import name`` hold their own binding.
-        for name, mod in list(sys.modules.items()):
-            if (
-                name.startswith("mlx_lm")
-                and mod is not owner
-                and getattr(mod, target.attr, None) is original
-            ):
-                setattr(mod, target.attr, target.new)
-                rebound.append(mod)
-    _saved[target.key] = (original, rebound)
+        for mod in _importers(owner, target.attr, original):
+            setattr(mod, target.attr, target.new)
+    _saved[target.key] = original
     if target.new is REMOVED:
         delattr(owner, target.attr)
     else:
@@ -160,14 +163,16 @@ def _set(target: Target):
 
 
 def _unset(target: Target):
-    original, rebound = _saved.pop(target.key)
+    original = _saved.pop(target.key)
     owner = target.resolve_owner()
+    if inspect.ismodule(owner) and original is not _MISSING:
+        # Modules imported while patched bound the replacement too.
+        for mod in _importers(owner, target.attr, target.new):
+            setattr(mod, target.attr, original)
     if original is _MISSING:
         delattr(owner, target.attr)
     else:
         setattr(owner, target.attr, original)
-    for mod in rebound:
-        setattr(mod, target.attr, original)
 
 
 def get_original(owner: str, attr: str) -> Any:

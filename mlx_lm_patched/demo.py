@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
@@ -48,10 +49,19 @@ def measure(model, prompt, args):
     return tokens, peaks, sum(c.nbytes for c in cache)
 
 
+def buffers(keys):
+    """Address and shape of each array behind a cache's ``keys``."""
+    arrays = keys if isinstance(keys, (tuple, list)) else [keys]
+    return [
+        (np.frombuffer(memoryview(a), np.uint8).ctypes.data, a.shape) for a in arrays
+    ]
+
+
 def count_reallocations(model, prompt, args):
-    """Per phase and cache type: how often a layer's ``keys`` buffer was
-    replaced or resized between two prompt chunks or two decode steps (its
-    first allocation not counted). Prefills the way ``generate_step`` does."""
+    """Per phase and cache type: how often a layer's ``keys`` moved to another
+    buffer or changed shape between two prompt chunks or two decode steps
+    (its first allocation not counted). Prefills the way ``generate_step``
+    does. Only addresses are kept, so no buffer outlives its cache's use."""
     cache = make_prompt_cache(model, args.max_kv_size)
     last = [None] * len(cache)
     counts = Counter()
@@ -59,13 +69,9 @@ def count_reallocations(model, prompt, args):
     def observe(phase):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
-            counts[phase, type(c).__name__] += 0
-            if last[i] is not None and keys is not None:
-                old, shape = last[i]
-                if keys is not old or getattr(keys, "shape", None) != shape:
-                    counts[phase, type(c).__name__] += 1
-            # Holding the old buffer makes identity a sound test of "replaced".
-            last[i] = None if keys is None else (keys, getattr(keys, "shape", None))
+            now = None if keys is None else buffers(keys)
+            counts[phase, type(c).__name__] += last[i] is not None and now != last[i]
+            last[i] = now
 
     step = args.prefill_step_size
     for start in range(0, prompt.size - 1, step):

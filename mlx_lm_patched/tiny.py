@@ -197,10 +197,13 @@ DEMO_OVERRIDES = {"sliding_window": 256}
 
 
 def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
-    """The demo model (llama with sliding layers), created if missing."""
+    """The demo model (llama with sliding layers), made if missing or stale."""
     path = Path(path) if path is not None else home() / "demo-model"
+    config = model_config(DEMO_FAMILY, **DEMO_OVERRIDES)
     if (path / "config.json").exists():
-        return path
+        if json.loads((path / "config.json").read_text()) == config:
+            return path
+        shutil.rmtree(path)
     # Build beside the target and rename, so a concurrent reader never sees
     # a half-written directory.
     path.parent.mkdir(parents=True, exist_ok=True)

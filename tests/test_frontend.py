@@ -193,3 +193,10 @@ def test_demo_model_is_created_once(tmp_path, monkeypatch):
     assert tiny.demo_model_dir() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == ["demo-model"]
+
+
+def test_demo_model_is_rebuilt_when_its_config_is_stale(tmp_path):
+    path = tiny.make_model_dir(tmp_path / "demo", "llama")
+    assert tiny.demo_model_dir(path) == path
+    config = json.loads((path / "config.json").read_text())
+    assert config == tiny.model_config(tiny.DEMO_FAMILY, **tiny.DEMO_OVERRIDES)

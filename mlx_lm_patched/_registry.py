@@ -13,6 +13,7 @@ import importlib
 import inspect
 import sys
 import textwrap
+import types
 import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -106,6 +107,27 @@ class Patch:
     requires: Tuple[str, ...] = ()
 
 
+def pasted_into(module: str, obj: Any) -> Any:
+    """``obj`` as if its source were pasted into ``module``: its functions (a
+    property's accessors too) look their global names up there, so the patch
+    runs exactly as its upstream diff would, and a name the module lacks fails."""
+    if isinstance(obj, property):
+        fget, fset = (f and pasted_into(module, f) for f in (obj.fget, obj.fset))
+        return property(fget, fset, doc=obj.__doc__)
+    if isinstance(obj, (classmethod, staticmethod)):
+        return type(obj)(pasted_into(module, obj.__func__))
+    if not isinstance(obj, types.FunctionType):
+        return obj
+    namespace = vars(importlib.import_module(module))
+    fn = types.FunctionType(
+        obj.__code__, namespace, obj.__name__, obj.__defaults__, obj.__closure__
+    )
+    fn.__kwdefaults__, fn.__doc__ = obj.__kwdefaults__, obj.__doc__
+    fn.__qualname__, fn.__annotations__ = obj.__qualname__, obj.__annotations__
+    fn.__module__ = module
+    return fn
+
+
 def class_patch(
     owner: str,
     namespace: type,
@@ -118,6 +140,7 @@ def class_patch(
     (``owner`` is ``"module:Class"``); ``fingerprints`` must name each of its
     attributes, so nothing is replaced without a recorded upstream source.
     ``removes`` maps upstream methods the patch makes dead to their fingerprints.
+    Methods are pasted into the owner's module (see ``pasted_into``).
     """
     names = [n for n in vars(namespace) if not n.startswith("__") or n == "__init__"]
     if sorted(names) != sorted(fingerprints):
@@ -125,7 +148,11 @@ def class_patch(
             f"{namespace.__name__}: fingerprints for {sorted(fingerprints)} "
             f"but it defines {sorted(names)}"
         )
-    targets = [Target(owner, n, vars(namespace)[n], fingerprints[n]) for n in names]
+    module = owner.partition(":")[0]
+    targets = [
+        Target(owner, n, pasted_into(module, vars(namespace)[n]), fingerprints[n])
+        for n in names
+    ]
     return targets + [Target(owner, n, REMOVED, f) for n, f in removes.items()]
 
 
@@ -139,7 +166,7 @@ def _importers(owner, attr: str, obj) -> List[Any]:
     return [
         mod
         for name, mod in list(sys.modules.items())
-        if name.startswith("mlx_lm")
+        if (name == "mlx_lm" or name.startswith("mlx_lm."))
         and mod is not owner
         and getattr(mod, "__dict__", {}).get(attr) is obj
     ]

@@ -20,10 +20,12 @@ offset negative.
 from typing import List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
 
 from ._registry import Patch, class_patch
-from .rotating_prealloc import _put
+
+# The class body is written as it reads in mlx_lm/models/cache.py and runs
+# there (``class_patch`` pastes it): ``RotatingKVCache`` and ``_put`` are
+# that module's.
 
 
 class BatchRotatingKVCache:

@@ -13,9 +13,8 @@ evaluated before the next; smaller calls are unchanged.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-from ._registry import Patch, Target
+from ._registry import Patch, Target, pasted_into
 
 
 def scaled_dot_product_attention(
@@ -62,6 +61,11 @@ def scaled_dot_product_attention(
         mx.eval(out[-1])
     return mx.concatenate(out, axis=2)
 
+
+# Written as it reads in mlx_lm/models/base.py, and run from there.
+scaled_dot_product_attention = pasted_into(
+    "mlx_lm.models.base", scaled_dot_product_attention
+)
 
 PATCH = Patch(
     "bounded_attention",

@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._registry import Patch, Target, class_patch
+from ._registry import Patch, Target, class_patch, pasted_into
 
 
 def _put(buffer, update, start, axes=(2,)):
@@ -28,6 +28,8 @@ def _put(buffer, update, start, axes=(2,)):
     return mx.slice_update(buffer, update, mx.array(start), axes)
 
 
+# The class body is written as it reads in mlx_lm/models/cache.py and runs
+# there (``class_patch`` pastes it).
 class RotatingKVCache:
     # Layout of the ``max_size`` ring, ``n = min(offset, max_size)`` tokens live:
     # - ``offset <= max_size``: slot ``s`` holds position ``s``, ``_idx == offset``;
@@ -165,7 +167,14 @@ class RotatingKVCache:
 PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
-    [Target("mlx_lm.models.cache", "_put", _put, None)]
+    [
+        Target(
+            "mlx_lm.models.cache",
+            "_put",
+            pasted_into("mlx_lm.models.cache", _put),
+            None,
+        )
+    ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,

@@ -139,6 +139,7 @@ def test_text_fingerprints_equal_registry_fingerprints(sdist):
     registry's, for every function, property and class of upstream's cache.py
     (including inherited attributes and ones that are absent)."""
     text = (sdist / "mlx_lm/models/cache.py").read_text()
+    mlx_lm_patched.revert()  # conftest puts the patches back afterwards
     compared = 0
     for cls_name, cls in vars(upstream_cache).items():
         if not inspect.isclass(cls) or cls.__module__ != CACHE:
@@ -354,6 +355,32 @@ def test_undefined_helper_is_reported(sdist):
     )
     series = upstream.generate([patch], sdist, Path("/nonexistent"))
     assert any("_kv_size_times_one" in w for w in series.warnings)
+
+
+def test_patch_whose_source_does_not_import_is_named(sdist, tmp_path, monkeypatch):
+    """A method annotated with a class defined later in cache.py imports
+    under the monkeypatch but not as upstream source."""
+
+    def empty(self):
+        return self.keys is None
+
+    source = "    def empty(self) -> BatchKVCache:\n        return self.keys is None\n"
+    real = upstream.replacement_lines
+    monkeypatch.setattr(
+        upstream,
+        "replacement_lines",
+        lambda new, attr, indent: (
+            source.splitlines(True) if new is empty else real(new, attr, indent)
+        ),
+    )
+    owner = f"{CACHE}:KVCache"
+    patch = Patch("late", "x", [Target(owner, "empty", empty, _fp("empty"))])
+    patch_dir = tmp_path / "patches"
+    upstream.write_patches(upstream.generate([patch], sdist, patch_dir), patch_dir)
+    problems = upstream.check_patches(patch_dir, [patch])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("after 01-late.patch, ")
+    assert "NameError: name 'BatchKVCache' is not defined" in problems[0]
 
 
 def test_reindent_leaves_multiline_strings_alone():

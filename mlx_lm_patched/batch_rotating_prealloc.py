@@ -24,8 +24,8 @@ import mlx.core as mx
 from ._registry import Patch, class_patch
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``class_patch`` pastes it): ``RotatingKVCache`` and ``_put`` are
-# that module's.
+# there (``class_patch`` pastes it): ``RotatingKVCache``, ``_put`` and
+# ``_check_update`` are that module's.
 
 
 class BatchRotatingKVCache:
@@ -82,16 +82,6 @@ class BatchRotatingKVCache:
             self._idx = n
         self.keys, self.values = k, v
         self.rotated = False
-
-    def _check(self, keys, values):
-        ring = (self.keys.shape[:2], self.keys.shape[3], self.values.shape[3])
-        new = (keys.shape[:2], keys.shape[3], values.shape[3])
-        if ring != new or keys.dtype != self.keys.dtype:
-            raise ValueError(
-                f"BatchRotatingKVCache holds (batch, heads)={ring[0]}, head dims "
-                f"{ring[1:]} of {self.keys.dtype}; got {new[0]}, {new[1:]} "
-                f"of {keys.dtype}"
-            )
 
     def _update_sinks(self, keys, values):
         """Copy the new tokens that are among a row's first ``keep`` to its sinks."""
@@ -161,7 +151,7 @@ class BatchRotatingKVCache:
             )
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
-        self._check(keys, values)
+        _check_update(self, keys, values)
         if self.keep:
             self._update_sinks(keys, values)
         if self._offset + S <= self.max_size - self.keep:
@@ -398,7 +388,6 @@ PATCH = Patch(
             "__init__": "20ae6efbecba",
             "_order": None,
             "_allocate": None,
-            "_check": None,
             "_update_sinks": None,
             "_rewrite": None,
             "_roll_right_padding": None,

@@ -22,6 +22,18 @@ import mlx.core as mx
 from ._registry import Patch, Target, class_patch, pasted_into
 
 
+def _check_update(cache, keys, values):
+    """Raise, changing nothing, if ``keys``/``values`` do not fit ``cache``'s buffers."""
+    held = (cache.keys.shape[:2], cache.keys.shape[3], cache.values.shape[3])
+    new = (keys.shape[:2], keys.shape[3], values.shape[3])
+    if held != new or keys.dtype != cache.keys.dtype:
+        raise ValueError(
+            f"{type(cache).__name__} holds (batch, heads)={held[0]}, head dims "
+            f"{held[1:]} of {cache.keys.dtype}; got {new[0]}, {new[1:]} of "
+            f"{keys.dtype}"
+        )
+
+
 def _put(buffer, update, start, axes=(2,)):
     """``buffer[..., start:start + n, :] = update`` into ``buffer``'s memory;
     ``__setitem__`` over a whole array would return ``update`` itself."""
@@ -55,16 +67,6 @@ class RotatingKVCache:
             self._idx = n
         self.keys, self.values = k, v
 
-    def _check(self, keys, values):
-        ring = (self.keys.shape[:2], self.keys.shape[3], self.values.shape[3])
-        new = (keys.shape[:2], keys.shape[3], values.shape[3])
-        if ring != new or keys.dtype != self.keys.dtype:
-            raise ValueError(
-                f"RotatingKVCache holds (batch, heads)={ring[0]}, head dims "
-                f"{ring[1:]} of {self.keys.dtype}; got {new[0]}, {new[1:]} "
-                f"of {keys.dtype}"
-            )
-
     def _update_past_ring(self, keys, values):
         """A multi-token update past the ring: attention sees the last
         ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
@@ -94,7 +96,7 @@ class RotatingKVCache:
     def update_and_fetch(self, keys, values):
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
-        self._check(keys, values)
+        _check_update(self, keys, values)
         S = keys.shape[2]
         if self.offset + S <= self.max_size:
             prev = self.offset
@@ -168,19 +170,14 @@ PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
     [
-        Target(
-            "mlx_lm.models.cache",
-            "_put",
-            pasted_into("mlx_lm.models.cache", _put),
-            None,
-        )
+        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
+        for name, f in (("_check_update", _check_update), ("_put", _put))
     ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {
             "_allocate": None,
-            "_check": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "state": "58270b869508",

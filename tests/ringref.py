@@ -6,6 +6,7 @@ what a ring of ``window`` slots fed token by token holds.
 """
 
 import mlx.core as mx
+import numpy as np
 
 from mlx_lm_patched import _registry
 
@@ -40,3 +41,25 @@ def reference_mask(offset, N, window, keep=0):
 
 def random_kv(*shape):
     return mx.random.normal(shape), mx.random.normal(shape)
+
+
+def data_pointer(a):
+    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
+
+
+def buffers_through(cache, batch, sizes, monkeypatch):
+    """Update ``cache`` with float16 chunks of ``sizes``; return the distinct
+    (shape, keys pointer, values pointer) seen and the concatenate calls."""
+    calls, concatenate = [], mx.concatenate
+    monkeypatch.setattr(
+        mx, "concatenate", lambda *a, **k: calls.append(1) or concatenate(*a, **k)
+    )
+    seen = set()
+    for S in sizes:
+        k, v = random_kv(batch, 2, S, 8)
+        out = cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
+        mx.eval(out, cache.keys, cache.values)
+        seen.add(
+            (cache.keys.shape, data_pointer(cache.keys), data_pointer(cache.values))
+        )
+    return seen, len(calls)

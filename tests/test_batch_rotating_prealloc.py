@@ -4,7 +4,6 @@ plain per-row window over its real tokens, through every batch operation."""
 import random
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import (
@@ -14,7 +13,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     save_prompt_cache,
 )
-from ringref import attend, random_kv, reference_mask
+from ringref import attend, buffers_through, random_kv, reference_mask
 
 import mlx_lm_patched
 
@@ -141,26 +140,11 @@ def test_a_chunk_after_wrapped_decode_keeps_the_oldest_in_window_token(patched):
     assert not rows.check(3)
 
 
-def data_pointer(a):
-    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
-
-
 def test_decode_and_chunks_never_reallocate_after_the_first_update(monkeypatch):
-    calls = []
-    concatenate = mx.concatenate
-    monkeypatch.setattr(
-        mx, "concatenate", lambda *a, **k: calls.append(1) or concatenate(*a, **k)
-    )
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7])
-    seen = set()
-    for S in [20, 30] + [1] * 96 + [40, 5, 1, 1]:
-        k, v = random_kv(3, 2, S, 8)
-        out = cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
-        mx.eval(out, cache.keys, cache.values)
-        seen.add(
-            (cache.keys.shape, data_pointer(cache.keys), data_pointer(cache.values))
-        )
-    assert calls == []
+    sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
+    seen, concatenations = buffers_through(cache, 3, sizes, monkeypatch)
+    assert concatenations == 0
     assert len(seen) == 1
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
 

@@ -3,7 +3,6 @@
 import random
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
@@ -13,7 +12,13 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     save_prompt_cache,
 )
-from ringref import attend, random_kv, reference_mask, upstream_twin
+from ringref import (
+    attend,
+    buffers_through,
+    random_kv,
+    reference_mask,
+    upstream_twin,
+)
 
 import mlx_lm_patched
 from mlx_lm_patched import rotating_prealloc
@@ -106,30 +111,15 @@ def test_upstream_rolls_the_decode_mask_as_if_keep_were_zero(upstream):
     assert not check_against_reference(16, 3, 14, [1] * 40)
 
 
-def data_pointer(a):
-    return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
-
-
 @pytest.mark.parametrize("keep", [0, 4])
 def test_decode_and_chunked_prefill_never_reallocate_after_first_update(
     monkeypatch, keep
 ):
-    calls = []
-    concatenate = mx.concatenate
-    monkeypatch.setattr(
-        mx, "concatenate", lambda *a, **k: calls.append(1) or concatenate(*a, **k)
-    )
     max_size = 64
     cache = RotatingKVCache(max_size, keep=keep)
-    seen = set()
-    for S in [64, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]:
-        k, v = random_kv(1, 2, S, 8)
-        out = cache.update_and_fetch(k.astype(mx.float16), v.astype(mx.float16))
-        mx.eval(out, cache.keys, cache.values)
-        seen.add(
-            (cache.keys.shape, data_pointer(cache.keys), data_pointer(cache.values))
-        )
-    assert calls == []
+    sizes = [64, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]
+    seen, concatenations = buffers_through(cache, 1, sizes, monkeypatch)
+    assert concatenations == 0
     assert len(seen) == 1
     assert cache.nbytes == 2 * 2 * max_size * 8 * 2
 

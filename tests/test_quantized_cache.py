@@ -1,0 +1,348 @@
+"""QuantizedKVCache done right: sizes, bytes, growth, exports, layouts, tokens."""
+
+import gc
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import (
+    KVCache,
+    LRUPromptCache,
+    QuantizedKVCache,
+    load_prompt_cache,
+    prompt_cache_from_host,
+    prompt_cache_to_host,
+    save_prompt_cache,
+)
+
+import mlx_lm_patched
+from mlx_lm_patched import tiny
+
+pytestmark = pytest.mark.usefixtures("patched")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def exact_active_memory():
+    """No buffer reuse: a reused larger block would count its own size."""
+    limit = mx.set_cache_limit(0)
+    mx.clear_cache()
+    yield
+    mx.set_cache_limit(limit)
+
+
+def kv(n, dim=64, heads=2, dtype=mx.float32, seed=0, v_dim=None):
+    """Deterministic N(0, 1) keys and values, (1, heads, n, dim)."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((1, heads, n, dim), dtype=np.float32)
+    v = rng.standard_normal((1, heads, n, v_dim or dim), dtype=np.float32)
+    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+
+
+def filled(n, group_size=64, bits=8, dtype=mx.float32, steps=None, **kw):
+    cache = QuantizedKVCache(group_size=group_size, bits=bits)
+    for i, s in enumerate(steps or [n]):
+        cache.update_and_fetch(*kv(s, dtype=dtype, seed=i, **kw))
+    mx.eval(cache.keys, cache.values)
+    return cache
+
+
+def quantized_bytes(n, dim=64, heads=2, group_size=64, bits=8, dtype=mx.float32):
+    """Bytes mx.quantize gives ``n`` tokens of keys plus values."""
+    q = mx.quantize(mx.zeros((1, heads, n, dim), dtype), group_size, bits)
+    return 2 * sum(x.nbytes for x in q)
+
+
+def active():
+    gc.collect()
+    return mx.get_active_memory()
+
+
+def bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def same_state(a, b):
+    sa, sb = a.state, b.state
+    arrays = [(x, y) for x, y in zip(sa[0] + sa[1], sb[0] + sb[1])]
+    return all(bits_equal(x, y) for x, y in arrays) and sa[2:] == sb[2:]
+
+
+def test_size_is_live_tokens_and_trim_clamps_to_offset():
+    cache = filled(0, steps=[7, 1, 300])
+    assert cache.size() == cache.offset == 308
+    assert cache.trim(8) == 8 and cache.size() == 300
+    assert cache.trim(1000) == 300 and cache.size() == 0
+    assert cache.trim(5) == 0
+
+
+def test_negative_trim_raises_naming_cache_and_value_and_changes_nothing():
+    cache = filled(10)
+    keys, state = cache.keys, cache.state
+    with pytest.raises(ValueError, match=r"QuantizedKVCache.*-3"):
+        cache.trim(-3)
+    assert cache.keys is keys and cache.offset == 10 and same_state(cache, cache)
+    assert cache.state[2:] == state[2:]
+
+
+def test_trim_and_update_work_when_keys_are_lists():
+    cache = filled(20)
+    state = list(cache.state)
+    state[0], state[1] = list(state[0]), list(state[1])
+    loaded = QuantizedKVCache.from_state(state)
+    assert loaded.trim(5) == 5 and loaded.size() == 15
+    loaded.update_and_fetch(*kv(3, seed=9))
+    assert loaded.size() == 18 and loaded.to_kv_cache().keys.shape[2] == 18
+
+
+def test_compact_frees_trimmed_tokens_and_nbytes_is_exactly_live_bytes():
+    cache = filled(1000)
+    held = cache.nbytes
+    cache.trim(700)
+    before = active()
+    cache.compact()
+    assert cache.nbytes == quantized_bytes(300)
+    assert before - active() == held - quantized_bytes(300)
+    cache.trim(300)
+    cache.compact()
+    assert cache.nbytes == 0 and cache.empty()
+
+
+def test_nbytes_is_zero_when_empty_and_matches_active_memory():
+    assert QuantizedKVCache().nbytes == 0
+    before = active()
+    cache = filled(0, steps=[100, 1, 1, 200])
+    assert cache.nbytes == active() - before
+    assert cache.nbytes >= quantized_bytes(302)
+
+
+def test_reserve_allocates_once_for_the_whole_length():
+    cache = QuantizedKVCache()
+    cache.reserve(500)
+    buffers = set()
+    for i, s in enumerate([100] + [1] * 50 + [350]):
+        cache.update_and_fetch(*kv(s, seed=i))
+        mx.eval(cache.keys)
+        buffers.add(cache.keys[0].shape[2])
+    assert buffers == {500} and cache.nbytes == quantized_bytes(500)
+
+
+def test_growth_is_geometric_and_never_holds_more_than_old_and_new():
+    cache = filled(256)
+    capacities, worst = [256], 0
+    for i in range(90):
+        k, v = kv(32, seed=i)
+        mx.eval(k, v)
+        old, base = cache.nbytes, mx.get_active_memory()
+        mx.reset_peak_memory()
+        cache.update_and_fetch(k, v)
+        mx.eval(cache.keys, cache.values)
+        worst = max(worst, mx.get_peak_memory() - base - old - cache.nbytes)
+        if cache.keys[0].shape[2] != capacities[-1]:
+            capacities.append(cache.keys[0].shape[2])
+    assert cache.size() == 256 + 90 * 32
+    assert capacities == [256, 512, 768, 1280, 2048, 3072, 4608]
+    assert worst <= 0  # no concatenate spike: old buffers plus new ones, at most
+
+
+def test_to_kv_cache_dequantizes_live_tokens_to_the_original_dtype():
+    keys, values = kv(300, dtype=mx.bfloat16)
+    errors = {}
+    for bits in (8, 4):
+        cache = QuantizedKVCache(group_size=64, bits=bits)
+        cache.update_and_fetch(keys, values)
+        cache.update_and_fetch(*kv(5, dtype=mx.bfloat16, seed=1))
+        cache.trim(5)
+        out = cache.to_kv_cache()
+        assert isinstance(out, KVCache) and out.offset == 300
+        assert out.keys.dtype == mx.bfloat16 and out.keys.shape == keys.shape
+        # The same values as dequantizing what mx.quantize made of the keys.
+        ref = mx.dequantize(*mx.quantize(keys, 64, bits), 64, bits)
+        assert bits_equal(out.keys, ref.astype(mx.bfloat16))
+        # Upstream's error levels on N(0, 1) (float32, so bfloat16 adds none).
+        keys32 = keys.astype(mx.float32)
+        cache = QuantizedKVCache(group_size=64, bits=bits)
+        cache.update_and_fetch(keys32, keys32)
+        diff = cache.to_kv_cache().keys - keys32
+        errors[bits] = mx.abs(diff).mean().item()
+    assert errors[8] < 0.005 and errors[4] < 0.08
+
+
+def test_to_quantized_quantizes_only_live_tokens_and_records_dtype():
+    cache = KVCache()
+    cache.update_and_fetch(*kv(300, dtype=mx.bfloat16))
+    cache.trim(100)
+    q = cache.to_quantized(group_size=64, bits=8)
+    mx.eval(q.keys, q.values)
+    assert q.offset == 200 and q.dtype == "bfloat16"
+    assert q.nbytes == quantized_bytes(200, dtype=mx.bfloat16)
+    assert KVCache().to_quantized().nbytes == 0
+
+
+def test_host_snapshot_round_trips_bfloat16_bit_exactly_through_numpy(tmp_path):
+    caches = [filled(40, dtype=mx.bfloat16), KVCache()]
+    caches[1].update_and_fetch(*kv(33, dtype=mx.bfloat16))
+    host = prompt_cache_to_host(caches, {"model": "tiny"})
+    assert all(isinstance(a, np.ndarray) for a in host.arrays.values())
+    assert "bfloat16" in host.dtypes.values()
+    caches[0].update_and_fetch(*kv(2, dtype=mx.bfloat16, seed=5))  # snapshot is a copy
+    restored, meta = prompt_cache_from_host(host, return_metadata=True)
+    assert meta == {"model": "tiny"} and restored[0].offset == 40
+    caches[0].trim(2)
+    assert same_state(restored[0], caches[0])
+    assert bits_equal(restored[1].keys, caches[1].keys)
+
+
+def test_host_snapshot_written_by_another_thread_loads_bit_exactly(tmp_path):
+    caches = [filled(50, dtype=mx.bfloat16, bits=4), KVCache()]
+    caches[1].update_and_fetch(*kv(17, dtype=mx.bfloat16))
+    host = prompt_cache_to_host(caches)
+    path = str(tmp_path / "spill.safetensors")
+    writer = threading.Thread(target=host.save, args=(path,))
+    writer.start()
+    writer.join()
+    loaded = load_prompt_cache(path)
+    assert same_state(loaded[0], caches[0])
+    assert loaded[0].state[3:] == (64, 4, "bfloat16", (64, 64))
+    assert bits_equal(loaded[1].keys, caches[1].keys)
+    assert bits_equal(loaded[1].values, caches[1].values)
+
+
+def test_save_load_keeps_group_size_bits_dtype_and_the_cache_keeps_working(tmp_path):
+    cache = filled(0, bits=4, dtype=mx.bfloat16, dim=96, steps=[70, 1])
+    assert cache.group_size == 32  # 96 is no multiple of 64
+    path = str(tmp_path / "q.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert same_state(loaded, cache)
+    assert (loaded.group_size, loaded.bits, loaded.dtype) == (32, 4, "bfloat16")
+    assert loaded.nbytes == quantized_bytes(
+        71, 96, group_size=32, bits=4, dtype=mx.bfloat16
+    )
+    for c in (cache, loaded):
+        c.trim(10)
+        c.update_and_fetch(*kv(4, dim=96, dtype=mx.bfloat16, seed=7))
+    assert same_state(loaded, cache)
+    assert bits_equal(loaded.to_kv_cache().keys, cache.to_kv_cache().keys)
+
+
+@pytest.mark.parametrize("head_dim", [96, 80])
+def test_head_dims_no_group_size_divides_generate_with_kv_bits(head_dim):
+    model = tiny.build_model(tiny.model_config("llama", head_dim=head_dim))
+    prompt = mx.array(list(range(3, 40)))
+    cache = [KVCache() for _ in model.layers]
+    out = generate_step(
+        prompt, model, max_tokens=4, kv_bits=8, quantized_kv_start=0, prompt_cache=cache
+    )
+    assert len([t for t, _ in out]) == 4
+    assert all(isinstance(c, QuantizedKVCache) and c.group_size == 32 for c in cache)
+    assert cache[0].to_kv_cache().keys.shape[-1] == head_dim
+    # Padded attention equals attention over the dequantized keys and values.
+    queries = mx.array(np.random.default_rng(1).standard_normal((1, 4, 3, head_dim)))
+    q = QuantizedKVCache(bits=8)
+    keys, values = q.update_and_fetch(*kv(20, dim=head_dim))
+    ref = q.to_kv_cache()
+    want = mx.fast.scaled_dot_product_attention(
+        queries, ref.keys, ref.values, scale=0.1, mask=None
+    )
+    got = scaled_dot_product_attention(
+        queries, keys, values, cache=q, scale=0.1, mask=None
+    )
+    assert got.shape == (1, 4, 3, head_dim) and mx.allclose(got, want, atol=1e-4)
+
+
+def test_impossible_layouts_and_mismatched_updates_raise_before_any_change():
+    with pytest.raises(ValueError, match="80 and 72"):
+        QuantizedKVCache().update_and_fetch(*kv(3, dim=80, v_dim=72))
+    with pytest.raises(ValueError, match="bits=7"):
+        QuantizedKVCache(bits=7).update_and_fetch(*kv(3))
+    cache = filled(10)
+    keys, state = cache.keys, cache.state
+    for bad in (kv(2, dim=128), kv(2, heads=4), kv(2, v_dim=32)):
+        with pytest.raises(ValueError, match="QuantizedKVCache holds"):
+            cache.update_and_fetch(*bad)
+        assert cache.keys is keys and cache.state[2:] == state[2:]
+
+
+def prefill_peak(model, prompt, kv_bits):
+    mx.clear_cache()
+    base = active()
+    mx.reset_peak_memory()
+    steps = generate_step(
+        prompt,
+        model,
+        max_tokens=2,
+        kv_bits=kv_bits,
+        quantized_kv_start=0,
+        prefill_step_size=128,
+    )
+    for _ in steps:
+        pass
+    return mx.get_peak_memory() - base
+
+
+def test_quantized_prefill_peak_is_not_above_bfloat16():
+    config = tiny.model_config(
+        "llama",
+        hidden_size=128,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_attention_heads=4,
+    )
+    model = tiny.build_model(config, dtype="bfloat16")
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, 600))
+    bf16 = prefill_peak(model, prompt, None)
+    assert prefill_peak(model, prompt, 8) <= bf16
+    assert prefill_peak(model, prompt, 4) <= bf16
+
+
+def test_lru_prompt_cache_with_quantized_entries_fetches_trims_and_counts_bytes():
+    lru = LRUPromptCache(max_size=10)
+    before = active()
+    tokens, caches = list(range(30)), [filled(30, bits=4) for _ in range(2)]
+    [c.compact() for c in caches]
+    lru.insert_cache(
+        "m", tokens[:20], [c.to_kv_cache().to_quantized(64, 4) for c in caches]
+    )
+    lru.insert_cache("m", tokens, caches)  # its 20-token prefix is dropped
+    del caches
+    assert len(lru) == 1 and lru.nbytes == active() - before
+    assert lru.nbytes == 2 * quantized_bytes(30, bits=4)
+
+    longer, rest = lru.fetch_nearest_cache("m", tokens[:12] + [999])
+    assert rest == [999] and [c.size() for c in longer] == [12, 12]
+    shorter, rest = lru.fetch_nearest_cache("m", tokens + [7, 8])
+    assert rest == [7, 8] and [c.size() for c in shorter] == [30, 30]
+    exact, rest = lru.fetch_nearest_cache("m", tokens)
+    assert rest == [] and exact[0].to_kv_cache().keys.shape[2] == 30
+    del longer, shorter, exact
+    assert lru.nbytes == active() - before
+    lru.trim_to(n_bytes=0)
+    assert len(lru) == 0 and lru.nbytes == 0 and active() == before
+
+
+def greedy_tokens(model, prompt, kv_bits):
+    steps = generate_step(
+        prompt,
+        model,
+        max_tokens=12,
+        kv_bits=kv_bits,
+        quantized_kv_start=0,
+        prefill_step_size=16,
+    )
+    return [int(t) for t, _ in steps]
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4])
+def test_greedy_tokens_with_kv_bits_match_upstream(kv_bits):
+    model = tiny.build_model(tiny.model_config("llama", head_dim=64))
+    prompt = mx.array(np.random.default_rng(3).integers(0, 512, 45))
+    patched = greedy_tokens(model, prompt, kv_bits)
+    mlx_lm_patched.revert("quantized_cache")
+    try:
+        upstream = greedy_tokens(model, prompt, kv_bits)
+    finally:
+        mlx_lm_patched.apply("quantized_cache")
+    assert patched == upstream

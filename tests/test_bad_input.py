@@ -1,0 +1,524 @@
+"""Bad inputs: each raises an exception that names what is wrong, and leaves
+the cache, the file or the installed mlx-lm as it was.
+
+A row the current code fails is written as it should pass and marked
+``xfail(strict=True)`` with the reason.
+"""
+
+import dataclasses
+import json
+import os
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
+from ringref import attend, random_kv, reference_mask
+
+import mlx_lm_patched
+from mlx_lm_patched import _registry, rotating_prealloc
+from mlx_lm_patched._registry import PatchDriftError, PatchDriftWarning
+
+pytestmark = pytest.mark.usefixtures("patched")
+
+
+def frozen(cache):
+    """Everything a cache holds, as plain comparable values."""
+
+    def value(x):
+        if isinstance(x, mx.array):
+            return (str(x.dtype), x.shape, np.array(x.astype(mx.float32)).tobytes())
+        if isinstance(x, (list, tuple)):
+            return tuple(value(y) for y in x)
+        return x
+
+    return {k: value(v) for k, v in vars(cache).items()}
+
+
+def ring(n=5, max_size=8, keep=2, B=1):
+    cache = RotatingKVCache(max_size, keep)
+    cache.update_and_fetch(*random_kv(B, 2, n, 4))
+    return cache
+
+
+def batch(n=3, max_size=8, keep=0):
+    cache = BatchRotatingKVCache(max_size, [0, 1], keep)
+    cache.update_and_fetch(*random_kv(2, 2, n, 4))
+    return cache
+
+
+def quantized(n=5, group_size=64, bits=8):
+    cache = QuantizedKVCache(group_size, bits)
+    cache.update_and_fetch(*random_kv(1, 2, n, 64))
+    return cache
+
+
+def save_load(cache, tmp_path):
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    return load_prompt_cache(str(tmp_path / "c.safetensors"))[0]
+
+
+def raises_unchanged(cache, call, error, match):
+    before = frozen(cache)
+    with pytest.raises(error, match=match):
+        call()
+    assert frozen(cache) == before
+
+
+# Trims
+
+
+@pytest.mark.parametrize("make", [ring, batch, quantized])
+def test_negative_trim_raises_naming_the_count(make):
+    cache = make()
+    raises_unchanged(cache, lambda: cache.trim(-1), ValueError, r"trim.*-1")
+
+
+@pytest.mark.parametrize("make", [ring, batch])
+def test_trim_of_a_wrapped_ring_raises_saying_it_wrapped(make):
+    cache = make(n=20)
+    raises_unchanged(cache, lambda: cache.trim(1), ValueError, "wrapped")
+
+
+@pytest.mark.parametrize("make", [ring, batch, quantized])
+def test_oversized_trim_of_an_unwrapped_cache_trims_all_and_says_how_many(make):
+    """Not an error: ``trim`` returns the count trimmed, which
+    ``trim_prompt_cache`` callers rely on (upstream's contract)."""
+    cache = make(n=5)
+    assert cache.trim(100) == 5
+    assert np.all(np.array(cache.offset) == 0)
+
+
+def test_negative_reserve_raises_naming_the_count():
+    cache = quantized()
+    raises_unchanged(cache, lambda: cache.reserve(-4), ValueError, "-4")
+
+
+# Updates that do not fit the cache
+
+
+def mismatches(B, D):
+    """(name, keys, values) that do not fit a cache of batch B, 2 heads, dim D."""
+    k, v = random_kv(B, 2, 3, D)
+    return {
+        "batch": random_kv(B + 1, 2, 3, D),
+        "heads": random_kv(B, 3, 3, D),
+        "head_dim": random_kv(B, 2, 3, 2 * D),
+        "value_dim": (k, random_kv(B, 2, 3, 2 * D)[1]),
+        "dtype": (k.astype(mx.float16), v.astype(mx.float16)),
+        "length": (k, v[..., :2, :]),
+    }
+
+
+MISMATCHES = ["batch", "heads", "head_dim", "value_dim", "dtype", "length"]
+LENGTH_XFAIL = pytest.mark.xfail(
+    strict=True,
+    reason="keys and values of different lengths are written without a check",
+)
+
+
+@pytest.mark.parametrize(
+    "what",
+    [m if m != "length" else pytest.param(m, marks=LENGTH_XFAIL) for m in MISMATCHES],
+)
+@pytest.mark.parametrize("S", [1, 3])
+def test_ring_update_that_does_not_fit_raises_and_changes_nothing(what, S):
+    cache = ring()
+    k, v = mismatches(1, 4)[what]
+    call = lambda: cache.update_and_fetch(k[..., :S, :], v[..., :S, :])
+    if what == "length" and S == 1:
+        call = lambda: cache.update_and_fetch(k[..., :2, :], v[..., :1, :])
+    raises_unchanged(cache, call, ValueError, "RotatingKVCache holds")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a loaded ring (keys shorter than max_size) is reallocated from the "
+    "update's shape before _check runs: the mismatch is broadcast or cast in",
+)
+@pytest.mark.parametrize("what", ["batch", "heads", "dtype"])
+def test_loaded_ring_update_that_does_not_fit_raises_and_changes_nothing(
+    what, tmp_path
+):
+    cache = save_load(ring(), tmp_path)
+    k, v = mismatches(1, 4)[what]
+    raises_unchanged(
+        cache, lambda: cache.update_and_fetch(k, v), ValueError, "RotatingKVCache holds"
+    )
+
+
+@pytest.mark.parametrize("what", ["batch", "heads", "head_dim", "value_dim", "dtype"])
+def test_batch_update_that_does_not_fit_raises_and_changes_nothing(what):
+    cache = batch()
+    k, v = mismatches(2, 4)[what]
+    raises_unchanged(
+        cache,
+        lambda: cache.update_and_fetch(k, v),
+        ValueError,
+        "BatchRotatingKVCache holds",
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a loaded batch ring is reallocated from the update's dtype before "
+    "_check runs: float16 keys turn the float32 ring into float16",
+)
+def test_loaded_batch_update_of_another_dtype_raises_and_changes_nothing(tmp_path):
+    cache = save_load(batch(), tmp_path)
+    k, v = mismatches(2, 4)["dtype"]
+    raises_unchanged(
+        cache,
+        lambda: cache.update_and_fetch(k, v),
+        ValueError,
+        "BatchRotatingKVCache holds",
+    )
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        "batch",
+        "heads",
+        "head_dim",
+        "value_dim",
+        pytest.param(
+            "dtype",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="float16 keys are quantized into a float32 cache silently",
+            ),
+        ),
+    ],
+)
+def test_quantized_update_that_does_not_fit_raises_and_changes_nothing(what):
+    cache = quantized()
+    k, v = mismatches(1, 64)[what]
+    raises_unchanged(
+        cache, lambda: cache.update_and_fetch(k, v), ValueError, "QuantizedKVCache"
+    )
+
+
+def test_quantized_layout_no_group_size_fits_raises_before_any_change():
+    cache = QuantizedKVCache(group_size=48, bits=8)
+    raises_unchanged(
+        cache,
+        lambda: cache.update_and_fetch(*random_kv(1, 2, 3, 64)),
+        ValueError,
+        "group_size=48",
+    )
+
+
+# Batch indices out of range
+
+
+@pytest.mark.xfail(
+    strict=True, reason="extract(5) of 2 rows: IndexError 'list index out of range'"
+)
+@pytest.mark.parametrize("idx", [2, 5, -3])
+def test_extract_of_a_row_out_of_range_raises_naming_the_row(idx):
+    cache = batch()
+    raises_unchanged(cache, lambda: cache.extract(idx), IndexError, f"{idx}")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="filter([5]) of 2 rows raises nothing and leaves a 1-row cache of "
+    "clipped garbage",
+)
+@pytest.mark.parametrize("rows", [[5], [0, 2], [-3]])
+def test_filter_with_a_row_out_of_range_raises_and_changes_nothing(rows):
+    cache = batch()
+    raises_unchanged(
+        cache, lambda: cache.filter(mx.array(rows)), IndexError, "out of range"
+    )
+
+
+# Merges and extends of caches that do not go together
+
+
+def test_merge_of_rings_of_different_max_size_raises_naming_both():
+    a, b = ring(max_size=8), ring(max_size=16)
+    before = frozen(a), frozen(b)
+    with pytest.raises(ValueError, match=r"\(8, 2\).*\(16, 2\)"):
+        BatchRotatingKVCache.merge([a, b])
+    assert (frozen(a), frozen(b)) == before
+
+
+def test_merge_of_rings_of_different_keep_raises_naming_both():
+    a, b = ring(keep=0), ring(keep=2)
+    before = frozen(a), frozen(b)
+    with pytest.raises(ValueError, match=r"\(8, 0\).*\(8, 2\)"):
+        BatchRotatingKVCache.merge([a, b])
+    assert (frozen(a), frozen(b)) == before
+
+
+@pytest.mark.parametrize("what", ["heads", "head_dim", "dtype"])
+def test_merge_of_rings_of_different_shapes_raises(what):
+    a = ring()
+    b = RotatingKVCache(8, 2)
+    b.update_and_fetch(*mismatches(1, 4)[what])
+    before = frozen(a), frozen(b)
+    with pytest.raises(ValueError, match="same heads, head dim and dtype"):
+        BatchRotatingKVCache.merge([a, b])
+    assert (frozen(a), frozen(b)) == before
+
+
+@pytest.mark.parametrize("other", [(16, 0), (8, 2)])
+def test_extend_with_a_batch_of_another_max_size_or_keep_raises(other):
+    cache, more = batch(), batch(max_size=other[0], keep=other[1])
+    before = frozen(more)
+    raises_unchanged(cache, lambda: cache.extend(more), ValueError, "same max_size")
+    assert frozen(more) == before
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="no merge for QuantizedKVCache: BatchKVCache.merge fails with "
+    "AttributeError: 'list' object has no attribute 'shape'",
+)
+@pytest.mark.parametrize("other", [(64, 4), (32, 8)])
+def test_merge_of_quantized_caches_of_other_bits_or_group_size_raises(other):
+    a, b = quantized(), quantized(group_size=other[0], bits=other[1])
+    with pytest.raises(ValueError, match="QuantizedKVCache"):
+        BatchKVCache.merge([a, b])
+
+
+# Files
+
+
+@pytest.fixture
+def cache_file(tmp_path):
+    path = tmp_path / "ring.safetensors"
+    save_prompt_cache(str(path), [ring(n=12)])
+    return path
+
+
+def load_unchanged(path, error, match):
+    before = path.read_bytes()
+    with pytest.raises(error, match=match):
+        load_prompt_cache(str(path))
+    assert path.read_bytes() == before
+
+
+def test_loading_a_truncated_cache_file_raises_saying_so(cache_file):
+    cache_file.write_bytes(cache_file.read_bytes()[:-40])
+    load_unchanged(cache_file, RuntimeError, "incomplete download or corrupt file")
+
+
+def test_loading_a_file_cut_inside_its_length_field_raises(cache_file):
+    cache_file.write_bytes(cache_file.read_bytes()[:4])
+    load_unchanged(cache_file, RuntimeError, "Unable to read")
+
+
+def test_loading_a_file_that_is_not_safetensors_raises(tmp_path):
+    path = tmp_path / "notes.safetensors"
+    path.write_bytes(b"these are not the tensors you are looking for")
+    load_unchanged(path, RuntimeError, "Invalid json header")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bytes flipped in the header give a UnicodeDecodeError from mlx's "
+    "JSON parsing, not an error about the file",
+)
+def test_loading_a_file_with_a_corrupted_header_raises_naming_the_file(cache_file):
+    data = bytearray(cache_file.read_bytes())
+    data[20:40] = b"\xff" * 20
+    cache_file.write_bytes(bytes(data))
+    load_unchanged(cache_file, ValueError, cache_file.name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="load_prompt_cache of a weights file: ValueError 'not enough values "
+    "to unpack (expected 3, got 0)'",
+)
+def test_loading_a_plain_weights_file_raises_saying_it_is_not_a_prompt_cache(
+    tmp_path,
+):
+    path = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(path), {"model.embed_tokens.weight": mx.zeros((8, 4))})
+    load_unchanged(path, ValueError, "not a prompt cache")
+
+
+def rewrite_metadata(path, **changes):
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    mx.save_safetensors(str(path), arrays, {**metadata, **changes})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an unknown cache class gives a bare KeyError: 'FancyKVCache'",
+)
+def test_loading_a_file_naming_an_unknown_cache_class_raises_naming_it(cache_file):
+    rewrite_metadata(cache_file, **{"1.0": "FancyKVCache"})
+    load_unchanged(cache_file, ValueError, "unknown cache class.*FancyKVCache")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="any name in mlx_lm.models.cache is looked up as a class: "
+    "'save_prompt_cache' gives AttributeError: 'function' object has no "
+    "attribute 'from_state'",
+)
+def test_loading_a_file_naming_a_non_cache_raises_naming_it(cache_file):
+    rewrite_metadata(cache_file, **{"1.0": "save_prompt_cache"})
+    load_unchanged(cache_file, ValueError, "save_prompt_cache")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a file missing a state array loads without error into a cache "
+    "whose state is shifted",
+)
+def test_loading_a_file_missing_a_state_array_raises(cache_file):
+    arrays, metadata = mx.load(str(cache_file), return_metadata=True)
+    del arrays["0.0"]
+    mx.save_safetensors(str(cache_file), arrays, metadata)
+    load_unchanged(cache_file, ValueError, "0.0")
+
+
+# Files written by upstream 0.32.2 (patches reverted) load and continue
+
+
+def upstream_file(tmp_path, make):
+    mlx_lm_patched.revert()
+    cache, history = make()
+    path = tmp_path / "upstream.safetensors"
+    save_prompt_cache(str(path), [cache])
+    mlx_lm_patched.apply(strict=True)
+    return path, history
+
+
+@pytest.mark.parametrize("n", [5, 8, 13])
+def test_upstream_ring_file_loads_and_attends_like_the_reference(tmp_path, n):
+    def make():
+        cache = RotatingKVCache(8, 0)
+        k, v = random_kv(1, 2, n, 4)
+        for i in range(n):  # token by token: upstream's ring is right then
+            cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+        return cache, (k, v)
+
+    path, (hk, hv) = upstream_file(tmp_path, make)
+    before = path.read_bytes()
+    (cache,) = load_prompt_cache(str(path))
+    assert path.read_bytes() == before
+    for S in (1, 3):
+        k, v = random_kv(1, 2, S, 4)
+        q = mx.random.normal((1, 2, S, 4))
+        offset, mask = cache.offset, cache.make_mask(S)
+        out = attend(q, *cache.update_and_fetch(k, v), mask)
+        hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
+        ref = attend(q, hk, hv, reference_mask(offset, S, 8))
+        assert mx.allclose(out, ref, atol=1e-5).item()
+
+
+def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path):
+    def make():
+        cache = BatchRotatingKVCache(8, [0, 2])
+        k, v = random_kv(2, 2, 6, 4)
+        cache.update_and_fetch(k, v)
+        return cache, (k, v)
+
+    path, (hk, hv) = upstream_file(tmp_path, make)
+    (cache,) = load_prompt_cache(str(path))
+    assert cache.keep == 0 and cache.offset.tolist() == [6, 4]
+    k, v = random_kv(2, 2, 1, 4)
+    q = mx.random.normal((2, 2, 1, 4))
+    mask = cache.make_mask(1)
+    out = attend(q, *cache.update_and_fetch(k, v), mask)
+    hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
+    for b, pad in enumerate([0, 2]):
+        ref = attend(
+            q[b : b + 1],
+            hk[b : b + 1, :, pad:],
+            hv[b : b + 1, :, pad:],
+            reference_mask(6 - pad, 1, 8),
+        )
+        assert mx.allclose(out[b : b + 1], ref, atol=1e-5).item()
+
+
+def test_upstream_quantized_file_loads_with_its_tokens_and_dtype(tmp_path):
+    def make():
+        cache = QuantizedKVCache(64, 8)
+        k, v = random_kv(1, 2, 10, 64)
+        cache.update_and_fetch(k, v)
+        return cache, (k, v)
+
+    path, (k, v) = upstream_file(tmp_path, make)
+    (cache,) = load_prompt_cache(str(path))
+    assert cache.size() == cache.offset == 10
+    assert cache.dtype == "float32" and cache.head_dims == (64, 64)
+    kv = cache.to_kv_cache()
+    q = mx.dequantize(*mx.quantize(k, 64, 8), 64, 8)
+    assert mx.array_equal(kv.keys, q).item()
+    cache.update_and_fetch(*random_kv(1, 2, 1, 64))
+    assert cache.size() == 11
+
+
+# Patches applied to an mlx-lm they were not written for
+
+
+def drifted(patch):
+    """``patch`` as if written against other upstream sources."""
+    targets = [
+        dataclasses.replace(t, fingerprint="000000000000")
+        for t in patch.targets
+        if t.fingerprint is not None
+    ]
+    return _registry.Patch("drifted_" + patch.name, patch.summary, targets)
+
+
+def upstream_objects():
+    return dict(vars(RotatingKVCache))
+
+
+def test_drifted_patch_warns_naming_it_and_leaves_upstream_unchanged():
+    mlx_lm_patched.revert()
+    before = upstream_objects()
+    with pytest.warns(PatchDriftWarning, match="drifted_rotating_prealloc.*changed"):
+        _registry.apply_patches([drifted(rotating_prealloc.PATCH)])
+    assert not _registry.is_applied("drifted_rotating_prealloc")
+    assert upstream_objects() == before
+
+
+def test_drifted_patch_raises_with_strict_and_leaves_upstream_unchanged():
+    mlx_lm_patched.revert()
+    before = upstream_objects()
+    with pytest.raises(PatchDriftError, match="RotatingKVCache.trim changed"):
+        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
+    assert upstream_objects() == before
+
+
+def test_another_installed_version_with_unchanged_sources_still_applies(monkeypatch):
+    """The version is only reported: fingerprints decide. An mlx-lm release
+    whose patched objects are unchanged gets the patches, and ``status``
+    shows both versions."""
+    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    mlx_lm_patched.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        applied = mlx_lm_patched.apply(strict=True)
+    assert applied == [p.name for p in mlx_lm_patched.PATCHES]
+    status = mlx_lm_patched.status()["rotating_prealloc"]
+    assert (status["written_for"], status["installed"]) == ("0.32.2", "0.99.0")
+
+
+def test_another_installed_version_with_changed_sources_is_named_in_the_error(
+    monkeypatch,
+):
+    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    mlx_lm_patched.revert()
+    with pytest.raises(
+        PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
+    ):
+        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)

@@ -1,0 +1,264 @@
+"""Differential fuzzing of the patched caches with hypothesis.
+
+Each example is a random sequence of operations on one cache, checked after
+every step against a plain reference (every token kept, the mask attention
+must apply) and, where upstream is correct, against upstream run side by side.
+CI runs a few examples per test; ``make fuzz`` runs
+``MLX_LM_PATCHED_FUZZ_EXAMPLES`` (10,000) per test.
+"""
+
+import os
+import tempfile
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import (
+    QuantizedKVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
+from ringref import attend, random_kv, reference_mask, upstream_twin
+from test_batch_rotating_prealloc import Rows
+
+from mlx_lm_patched import quantized_cache, rotating_prealloc
+
+pytestmark = pytest.mark.usefixtures("patched")
+
+EXAMPLES = int(os.environ.get("MLX_LM_PATCHED_FUZZ_EXAMPLES", "100"))
+fuzz = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def same(a, b):
+    if isinstance(a, mx.array) and isinstance(b, mx.array):
+        return a.shape == b.shape and mx.array_equal(a, b).item()
+    return type(a) is type(b) and a == b
+
+
+def save_load(cache):
+    with tempfile.TemporaryDirectory() as d:
+        save_prompt_cache(os.path.join(d, "c.safetensors"), [cache])
+        (cache,) = load_prompt_cache(os.path.join(d, "c.safetensors"))
+    return cache
+
+
+# RotatingKVCache
+
+
+@st.composite
+def ring_sessions(draw):
+    max_size = draw(st.integers(2, 12))
+    keep = draw(st.integers(0, min(4, max_size - 1)))
+    window = draw(st.one_of(st.none(), st.integers(keep + 1, max_size)))
+    window = None if window == max_size else window
+    sizes = st.one_of(
+        st.integers(1, 2 * max_size),
+        st.sampled_from([1, max_size - 1, max_size, max_size + 1]).filter(bool),
+    )
+    ops = st.one_of(
+        st.tuples(st.just("update"), sizes),
+        st.tuples(st.just("trim"), st.integers(0, max_size)),
+        st.tuples(st.just("save_load"), st.just(0)),
+    )
+    return max_size, keep, window, draw(st.lists(ops, min_size=1, max_size=16))
+
+
+@fuzz
+@given(ring_sessions(), st.integers(0, 2**31 - 1))
+def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session, seed):
+    """Ours sees what an unbounded cache with a keep-and-window mask sees; with
+    ``keep=0`` upstream returns the very same arrays and masks."""
+    max_size, keep, window, ops = session
+    mx.random.seed(seed)
+    ours = RotatingKVCache(max_size, keep)
+    theirs = None
+    if keep == 0:
+        theirs = upstream_twin(rotating_prealloc.PATCH, RotatingKVCache)(max_size)
+    hk, hv = random_kv(1, 2, 0, 4)
+    for op, n in ops:
+        if op == "trim":
+            if not ours.is_trimmable():
+                continue
+            assert ours.trim(n) == min(n, hk.shape[2])
+            if theirs is not None:
+                assert theirs.trim(n) == min(n, hk.shape[2])
+            hk, hv = hk[..., : ours.offset, :], hv[..., : ours.offset, :]
+        elif op == "save_load":
+            ours = save_load(ours)
+            if theirs is not None:
+                theirs = type(theirs).from_state(theirs.state)
+        else:
+            k, v = random_kv(1, 2, n, 4)
+            q = mx.random.normal((1, 2, n, 4))
+            offset = ours.offset
+            mask = ours.make_mask(n, window_size=window)
+            # Snapshot: the next update writes into the returned ring.
+            got = [mx.array(x) for x in ours.update_and_fetch(k, v)]
+            hk = mx.concatenate([hk, k], axis=2)
+            hv = mx.concatenate([hv, v], axis=2)
+            ref_mask = reference_mask(offset, n, window or max_size, keep)
+            ref = attend(q, hk, hv, ref_mask)
+            assert mx.allclose(attend(q, *got, mask), ref, atol=1e-5).item()
+            if theirs is not None:
+                assert same(theirs.make_mask(n, window_size=window), mask)
+                fetched = theirs.update_and_fetch(k, v)
+                assert all(same(a, b) for a, b in zip(got, fetched))
+        assert ours.offset == hk.shape[2]
+        assert ours.size() == min(ours.offset, max_size)
+        if theirs is not None:
+            assert theirs.offset == ours.offset
+
+
+# BatchRotatingKVCache, through the ``Rows`` harness
+
+
+@st.composite
+def batch_sessions(draw):
+    max_size = draw(st.sampled_from([4, 6, 8, 16]))
+    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size - 1]))
+    lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
+    S = st.one_of(
+        st.integers(2, 2 * max_size),
+        st.sampled_from([max_size - 1, max_size, max_size + 1]),
+    )
+    op = st.one_of(
+        st.tuples(st.just("decode"), st.just(1)),
+        st.tuples(st.just("chunk"), S),
+        st.tuples(st.just("padded"), S),
+        st.tuples(st.just("extract"), st.integers(0, 5)),
+        st.tuples(st.just("filter"), st.integers(1, 7)),
+        st.tuples(st.just("extend"), st.integers(1, 2 * max_size)),
+        st.tuples(st.just("save_load"), st.just(0)),
+    )
+    return max_size, keep, lengths, draw(st.lists(op, min_size=1, max_size=12))
+
+
+@fuzz
+@given(batch_sessions(), st.integers(0, 2**31 - 1), st.randoms(use_true_random=False))
+def test_every_batch_row_sees_its_own_window_through_random_operations(
+    session, seed, rng
+):
+    """Merge singles (with or without keep), then decode, chunks, right-padded
+    chunks, extract, filter, extend and save/load in any order: every real
+    query of every row attends to exactly its reference window."""
+    max_size, keep, lengths, ops = session
+    mx.random.seed(seed)
+    rows = Rows(max_size, lengths, keep)
+    for op, n in ops:
+        B = len(rows.history)
+        if op in ("decode", "chunk"):
+            assert rows.check(n)
+        elif op == "padded":
+            padded = [n] + [rng.randint(1, n) for _ in range(B - 1)]
+            rng.shuffle(padded)
+            assert rows.check(n, padded)
+        elif op == "extract":
+            assert rows.check_extract(n % B)
+        elif op == "filter":
+            keep_rows = [b for b in range(B) if n >> b & 1] or [B - 1]
+            rows.filter(keep_rows)
+        elif op == "extend":
+            rows.extend(n)
+        else:
+            rows.cache = save_load(rows.cache)
+        assert rows.cache.offset.tolist() == [h[0].shape[2] for h in rows.history]
+
+
+# QuantizedKVCache
+
+
+@st.composite
+def quantized_sessions(draw):
+    group_size = draw(st.sampled_from([32, 64]))
+    bits = draw(st.sampled_from([4, 8]))
+    dim = draw(st.sampled_from([32, 64, 64, 80]))
+    ops = st.one_of(
+        st.tuples(st.just("update"), st.integers(1, 160)),
+        st.tuples(st.just("update"), st.integers(1, 3)),
+        st.tuples(st.just("trim"), st.integers(0, 64)),
+        st.tuples(st.just("compact"), st.just(0)),
+        st.tuples(st.just("reserve"), st.integers(0, 400)),
+        st.tuples(st.just("save_load"), st.just(0)),
+    )
+    return group_size, bits, dim, draw(st.lists(ops, min_size=1, max_size=12))
+
+
+def dequantized(x, group_size, bits, dim):
+    """``x`` as a quantized cache of that layout must give it back."""
+    g, width, _ = quantized_cache._kv_quant_layout(dim, dim, group_size, bits)
+    if width > dim:
+        x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - dim)])
+    x = mx.dequantize(*mx.quantize(x, group_size=g, bits=bits), group_size=g, bits=bits)
+    return x[..., :dim]
+
+
+@fuzz
+@given(quantized_sessions(), st.integers(0, 2**31 - 1))
+def test_quantized_cache_holds_its_tokens_within_quantization_error(session, seed):
+    """A quantized cache dequantizes to exactly its tokens quantized one by one,
+    attention through it equals attention over them, its bookkeeping equals
+    upstream's (where upstream can quantize the head dim) and save/load is
+    bit-exact."""
+    group_size, bits, dim, ops = session
+    mx.random.seed(seed)
+    ours = QuantizedKVCache(group_size=group_size, bits=bits)
+    theirs = None
+    if dim % group_size == 0:
+        Upstream = upstream_twin(quantized_cache.PATCH, QuantizedKVCache)
+        theirs = Upstream(group_size=group_size, bits=bits)
+    hk, hv = random_kv(1, 2, 0, dim)
+    for op, n in ops:
+        if op == "update":
+            k, v = random_kv(1, 2, n, dim)
+            q = mx.random.normal((1, 4, n, dim))
+            offset = ours.offset
+            out = scaled_dot_product_attention(
+                q, *ours.update_and_fetch(k, v), ours, 1.0, "causal"
+            )
+            hk = mx.concatenate([hk, k], axis=2)
+            hv = mx.concatenate([hv, v], axis=2)
+            dk, dv = (dequantized(x, group_size, bits, dim) for x in (hk, hv))
+            mask = reference_mask(offset, n, offset + n)
+            ref = attend(q, mx.repeat(dk, 2, 1), mx.repeat(dv, 2, 1), mask)
+            assert mx.allclose(out, ref, atol=1e-3, rtol=1e-3).item()
+            if theirs is not None:
+                fetched = theirs.update_and_fetch(k, v)
+                got = ours.keys_and_values()
+                pairs = zip([*got[0], *got[1]], [*fetched[0], *fetched[1]])
+                assert all(same(a, b) for a, b in pairs)
+        elif op == "trim":
+            assert ours.trim(n) == min(n, hk.shape[2])
+            if theirs is not None:
+                assert theirs.trim(n) == min(n, hk.shape[2])
+            hk, hv = hk[..., : ours.offset, :], hv[..., : ours.offset, :]
+        elif op == "compact":
+            ours.compact()
+            assert ours.keys is None or ours.keys[0].shape[2] == ours.offset
+        elif op == "reserve":
+            ours.reserve(n)
+        else:
+            before = ours.state
+            ours = save_load(ours)
+            after = ours.state
+            assert before[2:] == after[2:]
+            if before[0] is not None:
+                pairs = zip([*before[0], *before[1]], [*after[0], *after[1]])
+                assert all(same(a, b) for a, b in pairs)
+        assert ours.offset == ours.size() == hk.shape[2]
+        if theirs is not None:
+            assert theirs.offset == ours.offset
+        kv = ours.to_kv_cache()
+        assert kv.offset == ours.offset
+        if ours.offset:
+            dk, dv = (dequantized(x, group_size, bits, dim) for x in (hk, hv))
+            assert same(kv.keys, dk) and same(kv.values, dv)
+            err = 2.0 ** (2 - bits) * mx.abs(hk).max().item()
+            assert mx.abs(kv.keys - hk).max().item() <= err

@@ -1,0 +1,143 @@
+"""make_prompt_cache(model, max_kv_size) bounds models that build their own cache."""
+
+import logging
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as cache_module
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+from mlx_lm_patched import max_kv_size
+
+
+def make_prompt_cache(model, max_kv_size=None):
+    """mlx-lm's, patched or not as the test has it."""
+    return cache_module.make_prompt_cache(model, max_kv_size)
+
+
+def kinds(cache):
+    return [
+        (type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None))
+        for c in cache
+    ]
+
+
+def test_full_attention_layers_become_rings_of_max_kv_size(patched, load_tiny):
+    model, _ = load_tiny("llama")
+    assert (
+        kinds(make_prompt_cache(model, max_kv_size=512))
+        == [("RotatingKVCache", 512, 4)] * 4
+    )
+    assert kinds(make_prompt_cache(model)) == [("KVCache", None, None)] * 4
+
+
+def test_sliding_layers_keep_their_window_unless_max_kv_size_is_smaller(
+    patched, load_tiny
+):
+    model, _ = load_tiny("gemma3_text")
+    # Layers 0 and 2 slide (window 64), 1 and 3 are full attention.
+    assert (
+        kinds(make_prompt_cache(model, max_kv_size=512))
+        == [
+            ("RotatingKVCache", 64, 0),
+            ("RotatingKVCache", 512, 4),
+        ]
+        * 2
+    )
+    assert (
+        kinds(make_prompt_cache(model, max_kv_size=32))
+        == [
+            ("RotatingKVCache", 32, 0),
+            ("RotatingKVCache", 32, 4),
+        ]
+        * 2
+    )
+
+
+def test_other_caches_are_left_alone(patched):
+    class Model:
+        def make_cache(self):
+            return [ArraysCache(2), CacheList(KVCache()), KVCache()]
+
+    cache = make_prompt_cache(Model(), max_kv_size=16)
+    assert [type(c) for c in cache] == [ArraysCache, CacheList, RotatingKVCache]
+    assert type(cache[1][0]) is KVCache
+
+
+def test_upstream_ignores_max_kv_size_for_models_with_make_cache(upstream, load_tiny):
+    model, _ = load_tiny("llama")
+    assert (
+        kinds(make_prompt_cache(model, max_kv_size=512))
+        == [("KVCache", None, None)] * 4
+    )
+
+
+def test_changed_layers_are_logged_once(patched, load_tiny, caplog):
+    model, _ = load_tiny("llama_sliding")
+    max_kv_size._logged.clear()
+    with caplog.at_level(logging.INFO, logger="mlx_lm_patched.max_kv_size"):
+        for _ in range(3):
+            make_prompt_cache(model, max_kv_size=48)
+    (record,) = caplog.records
+    assert "bounded 4 of 4 cache layers" in record.getMessage()
+    assert "1: KVCache -> RotatingKVCache(48, keep=4)" in record.getMessage()
+    assert (
+        "0: RotatingKVCache(64) -> RotatingKVCache(48, keep=0)" in record.getMessage()
+    )
+
+
+def kv_bytes_per_step(model, steps, max_kv_size=None):
+    """Sum of the cache's ``nbytes`` after each decode step of a greedy run."""
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    prompt = mx.array([1, 2, 3, 4, 5, 6, 7, 8])
+    out = []
+    for _ in generate_step(prompt, model, max_tokens=steps, prompt_cache=cache):
+        out.append(sum(c.nbytes for c in cache))
+    return out
+
+
+def ring_bytes(model, max_kv_size):
+    """What ``max_kv_size`` tokens of every layer's keys and values take."""
+    args = model.args
+    per_token = 2 * args.num_key_value_heads * args.head_dim * 4  # float32
+    return len(model.layers) * max_kv_size * per_token
+
+
+def test_kv_bytes_are_flat_at_the_ring_size_from_the_first_decode_step(
+    patched, load_tiny
+):
+    model, _ = load_tiny("llama")
+    seen = kv_bytes_per_step(model, 2000, max_kv_size=512)
+    assert len(seen) == 2000
+    assert set(seen) == {ring_bytes(model, 512)}
+
+
+def test_upstream_kv_bytes_grow_past_max_kv_size(upstream, load_tiny):
+    model, _ = load_tiny("llama")
+    seen = kv_bytes_per_step(model, 600, max_kv_size=512)
+    assert seen[-1] > ring_bytes(model, 512)
+
+
+def test_generate_command_runs_with_max_kv_size(make_tiny_dir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_lm_patched.generate",
+        "--model",
+        str(make_tiny_dir("llama")),
+        "--prompt",
+        "The key and value cache",
+        "--max-tokens",
+        "300",
+        "--max-kv-size",
+        "64",
+        "--ignore-chat-template",
+        "--verbose",
+        "True",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Generation: " in out.stdout

@@ -13,6 +13,7 @@ from . import (
     _registry,
     batch_rotating_prealloc,
     bounded_attention,
+    max_kv_size,
     quantized_cache,
     rotating_prealloc,
 )
@@ -32,6 +33,7 @@ PATCHES: List[_registry.Patch] = [
     batch_rotating_prealloc.PATCH,
     bounded_attention.PATCH,
     quantized_cache.PATCH,
+    max_kv_size.PATCH,
 ]
 
 

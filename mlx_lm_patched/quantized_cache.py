@@ -240,7 +240,10 @@ def quantized_scaled_dot_product_attention(
     mask: Optional[mx.array],
     group_size: int = 64,
     bits: int = 8,
+    block_bytes: int = 1 << 26,
 ) -> mx.array:
+    """Attention over a quantized cache, ``block_bytes`` of scores at a time:
+    unblocked, a long prefill chunk's scores outgrow the cache (#1587)."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -258,25 +261,37 @@ def quantized_scaled_dot_product_attention(
         q_keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_keys)
         q_values = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_values)
 
-    scores = mx.quantized_matmul(
-        queries, *q_keys, transpose=True, group_size=group_size, bits=bits
-    )
-    if mask is not None:
-        if isinstance(mask, str):
-            qL, kL = scores.shape[-2:]
-            q_indices = mx.arange(kL - qL, kL)
-            k_indices = mx.arange(kL)
-            mask = q_indices[:, None] >= k_indices[None]
-        if n_repeats > 1 and mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores += mask
-    scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        scores, *q_values, transpose=False, group_size=group_size, bits=bits
-    )
+    kL = q_keys[0].shape[-2]
+    if isinstance(mask, str):
+        q_indices = mx.arange(kL - L, kL)
+        k_indices = mx.arange(kL)
+        mask = q_indices[:, None] >= k_indices[None]
+    if mask is not None and n_repeats > 1 and mask.ndim > 3:
+        mask = mx.expand_dims(mask, -3)
+
+    rows = max(1, block_bytes // (B * n_q_heads * kL * queries.dtype.size))
+    out = []
+    for i in range(0, L, rows):
+        scores = mx.quantized_matmul(
+            queries[..., i : i + rows, :],
+            *q_keys,
+            transpose=True,
+            group_size=group_size,
+            bits=bits,
+        )
+        if mask is not None:
+            m = mask[..., i : i + rows, :] if mask.shape[-2] > 1 else mask
+            if m.dtype == mx.bool_:
+                scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
+            else:
+                scores += m
+        scores = mx.softmax(scores, axis=-1, precise=True)
+        out.append(
+            mx.quantized_matmul(
+                scores, *q_values, transpose=False, group_size=group_size, bits=bits
+            )
+        )
+    out = out[0] if len(out) == 1 else mx.concatenate(out, axis=-2)
 
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))

@@ -7,7 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import (
+    quantized_scaled_dot_product_attention,
+    scaled_dot_product_attention,
+)
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
@@ -264,6 +267,23 @@ def test_impossible_layouts_and_mismatched_updates_raise_before_any_change():
         with pytest.raises(ValueError, match="QuantizedKVCache holds"):
             cache.update_and_fetch(*bad)
         assert cache.keys is keys and cache.state[2:] == state[2:]
+
+
+@pytest.mark.parametrize("n_q_heads, mask", [(4, "causal"), (8, "array"), (2, None)])
+def test_attention_in_query_blocks_is_bit_identical_to_upstream(n_q_heads, mask):
+    rng = np.random.default_rng(n_q_heads)
+    queries = mx.array(rng.standard_normal((1, n_q_heads, 37, 64), dtype=np.float32))
+    keys, values = (mx.quantize(x, 64, 8) for x in kv(60, seed=n_q_heads))
+    if mask == "array":
+        mask = mx.array(rng.standard_normal((1, 1, 37, 60), dtype=np.float32))
+    upstream = mlx_lm_patched.get_original(
+        "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
+    )
+    want = upstream(queries * 1, keys, values, 0.1, mask, 64, 8)
+    got = quantized_scaled_dot_product_attention(
+        queries * 1, keys, values, 0.1, mask, 64, 8, block_bytes=3000
+    )
+    assert bits_equal(got, want)
 
 
 def prefill_peak(model, prompt, kv_bits):

@@ -1,0 +1,255 @@
+"""A quantized sliding window: ``RotatingKVCache.to_quantized``.
+
+Upstream raises ``NotImplementedError: RotatingKVCache Quantization NYI``, so
+``generate --kv-bits`` fails on every model with a sliding layer (gemma3,
+llama with ``sliding_window``) and with ``--max-kv-size``
+(ml-explore/mlx-lm#1573, #1583; PRs #968, #1074, #1584 closed unmerged).
+Here ``to_quantized`` returns a ``QuantizedRotatingKVCache``: the same
+preallocated ring as the patched ``RotatingKVCache`` (same slots, same masks,
+same trims; it runs that class's ``make_mask`` and ``trim``), holding
+``mx.quantize`` tuples that attention reads through ``bits``, written in place.
+``to_kv_cache()`` dequantizes it back into a ``RotatingKVCache``, and it
+saves and loads through ``save_prompt_cache``/``load_prompt_cache``.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from ._registry import Patch, Target, class_patch, pasted_into
+
+
+def cache_class(namespace, *bases):
+    """``namespace`` as a new class of mlx_lm/models/cache.py, its methods
+    pasted there (``load_prompt_cache`` finds it by name once registered)."""
+    body = {
+        k: pasted_into("mlx_lm.models.cache", v)
+        for k, v in vars(namespace).items()
+        if k not in ("__dict__", "__weakref__")
+    }
+    body["__module__"] = "mlx_lm.models.cache"
+    return type(namespace.__name__, bases, body)
+
+
+# Written as it would read in mlx_lm/models/cache.py, and run there:
+# ``_put`` is rotating_prealloc's, ``_kv_quant_layout`` quantized_cache's.
+class QuantizedRotatingKVCache:
+    # The ring of the patched ``RotatingKVCache``: ``max_size`` slots,
+    # ``offset``, ``_idx`` and ``keep`` with the same meaning, so its
+    # ``make_mask`` and ``trim`` run here unchanged. ``keys``/``values`` are
+    # ``mx.quantize`` tuples (packed, scales, biases), each part
+    # (B, H, max_size, ...) once allocated; a token's groups lie along its
+    # own head dim, so moving a slot moves its token exactly.
+
+    def __init__(self, max_size, keep=0, group_size: int = 64, bits: int = 8):
+        self.keep = keep
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.max_size = max_size
+        self._idx = 0
+        # As asked until the first update, then the one in use (see
+        # _kv_quant_layout); head dims wider than head_dims are zero padding.
+        self.group_size = group_size
+        self.bits = bits
+        self.dtype = None  # name of the quantized keys' dtype, e.g. "bfloat16"
+        self.head_dims = None  # (k_head_dim, v_head_dim) before padding
+
+    def _quantize(self, keys, values):
+        """``keys`` and ``values`` quantized (and padded) as the ring holds them."""
+        dims = (keys.shape[3], values.shape[3])
+        if self.head_dims is not None and dims != tuple(self.head_dims):
+            raise ValueError(
+                f"QuantizedRotatingKVCache holds head dims {tuple(self.head_dims)}, "
+                f"got {dims}"
+            )
+        group_size, k_width, v_width = _kv_quant_layout(
+            *dims, self.group_size, self.bits
+        )
+        if self.head_dims is None:
+            self.group_size, self.head_dims = group_size, dims
+            self.dtype = str(keys.dtype).rpartition(".")[2]
+        out = []
+        for x, width in ((keys, k_width), (values, v_width)):
+            if width > x.shape[3]:
+                x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - x.shape[3])])
+            out.append(tuple(mx.quantize(x, group_size=group_size, bits=self.bits)))
+        return out
+
+    def _allocate(self, keys, values):
+        """Allocate the ring, moving in the live slots of a loaded state."""
+
+        def ring(new, old):
+            x = mx.zeros((*new.shape[:2], self.max_size, new.shape[3]), new.dtype)
+            return x if old is None else _put(x, old, [0])
+
+        old_k = self.keys or (None,) * len(keys)
+        old_v = self.values or (None,) * len(values)
+        self.keys = tuple(ring(n, o) for n, o in zip(keys, old_k))
+        self.values = tuple(ring(n, o) for n, o in zip(values, old_v))
+
+    def _update_past_ring(self, keys, values):
+        """A multi-token update past the ring: attention sees the last
+        ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
+        n = min(self.offset, self.max_size)
+        m = min(n, self.max_size - 1)
+        keep = min(self.keep, n)
+        ring = list(range(self._idx, n)) + list(range(keep, self._idx))
+        order = mx.array(list(range(keep)) + ring[len(ring) - (m - keep) :], mx.int32)
+        seen = [
+            tuple(mx.concatenate([c[..., order, :], x], axis=2) for c, x in zip(*p))
+            for p in ((self.keys, keys), (self.values, values))
+        ]
+        # Done reading the ring: evaluate now so the writes below reuse its buffer.
+        mx.eval(seen)
+        S = keys[0].shape[2]
+        start = m + S - self.max_size + self.keep
+        for name, new in zip(("keys", "values"), seen):
+            parts = getattr(self, name)
+            if self.offset < self.keep:
+                parts = [
+                    _put(c, x[..., : self.keep, :], [0]) for c, x in zip(parts, new)
+                ]
+            parts = [
+                _put(c, x[..., start:, :], [self.keep]) for c, x in zip(parts, new)
+            ]
+            setattr(self, name, tuple(parts))
+        self.offset += S
+        self._idx = self.max_size
+        return tuple(seen)
+
+    def update_and_fetch(self, keys, values):
+        B, H, S, _ = keys.shape
+        if self.keys is not None and (B, H) != self.keys[0].shape[:2]:
+            raise ValueError(
+                "QuantizedRotatingKVCache holds (batch, heads)="
+                f"{self.keys[0].shape[:2]}, got {(B, H)}"
+            )
+        keys, values = self._quantize(keys, values)
+        if self.keys is None or self.keys[0].shape[2] != self.max_size:
+            self._allocate(keys, values)
+        if self.offset + S <= self.max_size:
+            prev = self.offset
+            self.keys = tuple(_put(c, x, [prev]) for c, x in zip(self.keys, keys))
+            self.values = tuple(_put(c, x, [prev]) for c, x in zip(self.values, values))
+            self.offset += S
+            self._idx = self.offset
+            return self.keys_and_values()
+        if S > 1:
+            return self._update_past_ring(keys, values)
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        for c, x in zip(self.keys + self.values, keys + values):
+            c[..., self._idx : self._idx + 1, :] = x
+        self.offset += 1
+        self._idx += 1
+        return self.keys, self.values
+
+    def keys_and_values(self):
+        if self.offset < self.keys[0].shape[2]:
+            return tuple(
+                tuple(x[..., : self.offset, :] for x in parts)
+                for parts in (self.keys, self.values)
+            )
+        return self.keys, self.values
+
+    def size(self):
+        return min(self.offset, self.max_size)
+
+    @property
+    def state(self):
+        keys, values = self.keys, self.values
+        if keys is not None and self.offset < keys[0].shape[2]:
+            keys, values = self.keys_and_values()
+        return (
+            keys,
+            values,
+            self.offset,
+            self.keep,
+            self.max_size,
+            self._idx,
+            self.group_size,
+            self.bits,
+            self.dtype,
+            self.head_dims,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, self.offset, self.keep, self.max_size, self._idx = v[:6]
+        self.group_size, self.bits, self.dtype, head_dims = v[6:]
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+        self.head_dims = None if head_dims is None else tuple(head_dims)
+
+    def is_trimmable(self):
+        return self.offset < self.max_size
+
+    def trim(self, n):
+        return RotatingKVCache.trim(self, n)
+
+    def to_kv_cache(self):
+        """The ring dequantized into a ``RotatingKVCache`` of the original dtype."""
+        cache = RotatingKVCache(self.max_size, self.keep)
+        if self.keys is None or self.offset == 0:
+            return cache
+        dtype = getattr(mx, self.dtype)
+        out = []
+        for parts, dim in zip(self.keys_and_values(), self.head_dims):
+            x = mx.dequantize(*parts, group_size=self.group_size, bits=self.bits)
+            out.append(x[..., :dim].astype(dtype))
+        cache.keys, cache.values = out
+        cache.offset, cache._idx = self.offset, self._idx
+        return cache
+
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ):
+        mask = RotatingKVCache.make_mask(self, N, window_size, return_array)
+        # One decode query: (1, slots), as quantized attention takes query rows.
+        return mask[None] if isinstance(mask, mx.array) and mask.ndim == 1 else mask
+
+    def empty(self):
+        return self.keys is None
+
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in self.keys + self.values)
+
+
+class _RotatingKVCache:
+    def to_quantized(
+        self, group_size: int = 64, bits: int = 4
+    ) -> QuantizedRotatingKVCache:
+        cache = QuantizedRotatingKVCache(self.max_size, self.keep, group_size, bits)
+        if self.keys is not None and self.offset > 0:
+            if self.keys.shape[2] != self.max_size:
+                self._allocate(self.keys, self.values)
+            cache.keys, cache.values = cache._quantize(self.keys, self.values)
+            cache.offset, cache._idx = self.offset, self._idx
+        return cache
+
+
+QuantizedRotatingKVCache = cache_class(QuantizedRotatingKVCache, _BaseCache)
+
+PATCH = Patch(
+    "quantized_ring",
+    "RotatingKVCache.to_quantized: a preallocated quantized sliding window",
+    [
+        Target(
+            "mlx_lm.models.cache",
+            "QuantizedRotatingKVCache",
+            QuantizedRotatingKVCache,
+            None,
+        )
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:RotatingKVCache",
+        _RotatingKVCache,
+        {"to_quantized": "09de7569e6f4"},
+    ),
+    requires=("rotating_prealloc", "quantized_cache"),
+)

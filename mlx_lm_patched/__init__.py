@@ -15,6 +15,7 @@ from . import (
     bounded_attention,
     max_kv_size,
     quantized_cache,
+    quantized_ring,
     rotating_prealloc,
 )
 from ._registry import (
@@ -34,6 +35,7 @@ PATCHES: List[_registry.Patch] = [
     bounded_attention.PATCH,
     quantized_cache.PATCH,
     max_kv_size.PATCH,
+    quantized_ring.PATCH,
 ]
 
 

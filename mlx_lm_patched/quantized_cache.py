@@ -242,8 +242,8 @@ def quantized_scaled_dot_product_attention(
     bits: int = 8,
     block_bytes: int = 1 << 26,
 ) -> mx.array:
-    """Attention over a quantized cache, ``block_bytes`` of scores at a time:
-    unblocked, a long prefill chunk's scores outgrow the cache (#1587)."""
+    """Attention over a quantized cache, at most ``block_bytes`` of scores at a
+    time: a long prefill chunk's scores outgrow the cache otherwise (#1587)."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -291,6 +291,8 @@ def quantized_scaled_dot_product_attention(
                 scores, *q_values, transpose=False, group_size=group_size, bits=bits
             )
         )
+        if rows < L:
+            mx.eval(out[-1])  # lazily, every block's scores would be alive at once
     out = out[0] if len(out) == 1 else mx.concatenate(out, axis=-2)
 
     if n_repeats > 1:

@@ -308,11 +308,7 @@ def replacement_lines(new, attr: str, indent: str) -> List[str]:
         if not same:
             raise GenerateError(f"{attr}: cannot write {type(new).__name__} as source")
         return [indent + text]
-    blocks = []
-    for f in funcs:
-        block, lnum = inspect.getsourcelines(f)
-        file_lines = inspect.findsource(f)[0]
-        blocks.append((lnum - 1, lnum - 1 + len(block), file_lines))
+    blocks = [_source_block(f) for f in funcs]
     blocks.sort(key=lambda b: b[0])
     out: List[str] = []
     for i, (s, e, file_lines) in enumerate(blocks):
@@ -322,6 +318,35 @@ def replacement_lines(new, attr: str, indent: str) -> List[str]:
         out += file_lines[s:e]
     old = re.match(r"[ \t]*", out[0]).group(0)
     return _reindent(out, old, indent)
+
+
+def _source_file(obj) -> Optional[str]:
+    """The file ``obj`` was written in. A class's own functions say it even
+    when its ``__module__`` names another module (a class meant to look
+    native to ``mlx_lm.models.cache``), where ``inspect`` would look."""
+    if inspect.isclass(obj):
+        for value in vars(obj).values():
+            for f in _functions(value):
+                if inspect.isfunction(f):
+                    return f.__code__.co_filename
+    try:
+        return inspect.getsourcefile(obj)
+    except TypeError:
+        return None
+
+
+def _source_block(obj) -> Tuple[int, int, List[str]]:
+    """``(start, end, lines)``: ``obj``'s lines ``[start, end)`` of its file."""
+    if inspect.isclass(obj):
+        file = _source_file(obj)
+        text = Path(file).read_text() if file else ""
+        node = _class_node(_parse(text), obj.__qualname__) if text else None
+        if node is None:
+            raise GenerateError(f"no source for class {obj.__qualname__}")
+        lines = _lines(text)
+        return (*_span(lines, node), lines)
+    block, lnum = inspect.getsourcelines(obj)
+    return lnum - 1, lnum - 1 + len(block), inspect.findsource(obj)[0]
 
 
 def _string_rows(lines: List[str]) -> set:
@@ -522,7 +547,7 @@ def _patch_module(patch: Patch):
             return mod
     # A function's module may be its owner's (``_registry.pasted_into``); its
     # code still says which file it was written in.
-    files = {inspect.getsourcefile(f) for t in patch.targets for f in _functions(t.new)}
+    files = {_source_file(f) for t in patch.targets for f in _functions(t.new)}
     for mod in list(sys.modules.values()):
         if getattr(mod, "__file__", None) in files:
             return mod
@@ -703,6 +728,15 @@ def read_series(patch_dir: Path = PATCH_DIR) -> List[str]:
     ]
 
 
+def touched_files(patch_dir: Path = PATCH_DIR) -> List[str]:
+    """The sdist-relative files the series changes."""
+    found = []
+    for name in read_series(patch_dir):
+        text = (patch_dir / name).read_text()
+        found += re.findall(r"(?m)^\+\+\+ b/(\S+)", text)
+    return list(dict.fromkeys(found))
+
+
 @dataclass
 class Applied:
     name: str
@@ -848,6 +882,9 @@ def build_wheel(out_dir: Path = DIST_DIR, patch_dir: Path = PATCH_DIR) -> Path:
         for a in apply_series(work, patch_dir):
             if not a.ok:
                 raise RuntimeError(f"{a.name} does not apply:\n{a.output}")
+        errors = import_errors(work, touched_files(patch_dir))
+        if errors:
+            raise RuntimeError("\n".join(errors))
         env = dict(os.environ)
         env["SETUPTOOLS_SCM_PRETEND_VERSION_FOR_MLX_LM"] = version
         env["SETUPTOOLS_SCM_PRETEND_VERSION"] = version
@@ -869,7 +906,11 @@ def cmd_vendor(args) -> int:
         print(
             "warning: patches/ is not up to date (run `make patches`)", file=sys.stderr
         )
-    wheel = build_wheel(Path(args.out))
+    try:
+        wheel = build_wheel(Path(args.out))
+    except RuntimeError as e:
+        print(f"vendor: FAILED: {e}", file=sys.stderr)
+        return 1
     print(f"vendor: {wheel.relative_to(ROOT) if wheel.is_relative_to(ROOT) else wheel}")
     return 0
 

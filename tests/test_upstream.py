@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import mlx_lm.models.cache as upstream_cache
@@ -456,27 +455,27 @@ def test_upstream_suite_runs_offline_and_patched(sdist, tmp_path):
 # -- the vendored wheel ---------------------------------------------------------
 
 
-def _scenario(out_path: str, model_path: str, vendored_root: "Optional[str]"):
+def _scenario(out_path: str, model_path: str, vendored_root, patches):
     """Fixed sequences of cache updates and a short generation, every output
-    saved to ``out_path`` (.npz). Runs in a fresh interpreter."""
+    saved to ``out_path`` (.npz). Runs in a fresh interpreter, on the wheel
+    installed at ``vendored_root`` or with ``patches`` applied (strictly)."""
     import os
     import sys
     import tempfile
 
     import mlx.core as mx
+    import mlx_lm
     import numpy as np
 
     if vendored_root:
-        import mlx_lm
-
         assert mlx_lm.__file__.startswith(vendored_root), mlx_lm.__file__
         assert "+patched." in mlx_lm.__version__, mlx_lm.__version__
         assert "mlx_lm_patched" not in sys.modules
     else:
         import mlx_lm_patched
 
-        applied = [n for n, s in mlx_lm_patched.status().items() if s["applied"]]
-        assert applied == [p.name for p in mlx_lm_patched.PATCHES], applied
+        applied = mlx_lm_patched.apply(*patches, strict=True) if patches else []
+        assert applied == patches, applied
 
     from mlx_lm.generate import generate_step
     from mlx_lm.models import cache as C
@@ -574,13 +573,14 @@ def _scenario(out_path: str, model_path: str, vendored_root: "Optional[str]"):
     np.savez(out_path, **out)
 
 
-def _run_scenario(tmp_path, label, model_path, env, vendored_root=None):
+def _run_scenario(tmp_path, label, model_path, pythonpath, vendored_root, patches):
     script = tmp_path / f"scenario_{label}.py"
     script.write_text(
         textwrap.dedent(inspect.getsource(_scenario))
         + f"\n_scenario({str(tmp_path / label)!r}, {model_path!r}, "
-        + f"{vendored_root!r})\n"
+        + f"{vendored_root!r}, {patches!r})\n"
     )
+    env = {**os.environ, "PYTHONPATH": pythonpath, "MLX_LM_PATCHED_APPLY": "0"}
     r = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
@@ -595,17 +595,30 @@ def _run_scenario(tmp_path, label, model_path, env, vendored_root=None):
     return dict(np.load(tmp_path / f"{label}.npz"))
 
 
-@pytest.mark.slow
-def test_vendored_wheel_matches_monkeypatched_package(sdist, tmp_path):
+def _differing(a: dict, b: dict) -> list:
+    return sorted(
+        k
+        for k in set(a) | set(b)
+        if k not in a
+        or k not in b
+        or a[k].shape != b[k].shape
+        or not (a[k] == b[k]).all()
+    )
+
+
+def compare_vendored(tmp_path: Path, patch_dir: Path, patches: list):
+    """Build the wheel from ``patch_dir``, run the scenario on it and on the
+    installed mlx-lm with ``patches`` applied, and with none; return the keys
+    that differ (vendored vs patched, patched vs upstream)."""
     from mlx_lm_patched import tiny
 
     try:
-        wheel = upstream.build_wheel(tmp_path / "dist")
+        wheel = upstream.build_wheel(tmp_path / "dist", patch_dir)
     except RuntimeError as e:
         if "No matching distribution" in str(e) or "connection" in str(e).lower():
             pytest.skip(f"package index unreachable, no build backend: {e}")
         raise
-    assert wheel.name == f"mlx_lm-{upstream.vendor_version()}-py3-none-any.whl"
+    assert wheel.name == f"mlx_lm-{upstream.vendor_version(patch_dir)}-py3-none-any.whl"
     site = tmp_path / "site"
     r = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
@@ -615,27 +628,23 @@ def test_vendored_wheel_matches_monkeypatched_package(sdist, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     model = str(tiny.make_model_dir(tmp_path / "model", "llama_sliding"))
-    base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    vendored = _run_scenario(
-        tmp_path,
-        "vendored",
-        model,
-        {**base, "PYTHONPATH": str(site), "MLX_LM_PATCHED_APPLY": "0"},
-        vendored_root=str(site),
+    root = str(upstream.ROOT)
+    vendored = _run_scenario(tmp_path, "vendored", model, str(site), str(site), [])
+    patched = _run_scenario(tmp_path, "patched", model, root, None, patches)
+    plain = _run_scenario(tmp_path, "upstream", model, root, None, [])
+    assert len(vendored) > 200 and any(".tokens" in k for k in vendored)
+    return _differing(vendored, patched), _differing(patched, plain)
+
+
+@pytest.mark.slow
+def test_vendored_wheel_matches_monkeypatched_package(sdist, tmp_path):
+    names = [p.name for p in mlx_lm_patched.PATCHES]
+    assert upstream.read_series() == [
+        upstream.patch_name(i, p) for i, p in enumerate(mlx_lm_patched.PATCHES)
+    ], "patches/ is stale: run `make patches`"
+    vendored_vs_patched, patched_vs_upstream = compare_vendored(
+        tmp_path, upstream.PATCH_DIR, names
     )
-    patched = _run_scenario(
-        tmp_path,
-        "patched",
-        model,
-        {**base, "PYTHONPATH": str(upstream.ROOT), "MLX_LM_PATCHED_APPLY": "1"},
-    )
-    assert sorted(vendored) == sorted(patched)
-    assert len(vendored) > 200
-    differ = [
-        k
-        for k in vendored
-        if vendored[k].shape != patched[k].shape
-        or not (vendored[k] == patched[k]).all()
-    ]
-    assert differ == []
-    assert any(k.endswith(".tokens") for k in vendored)
+    assert vendored_vs_patched == []
+    # ...and the scenario does see the patches.
+    assert patched_vs_upstream != []

@@ -109,11 +109,6 @@ def test_front_takes_the_same_flags_as_upstream(front, capsys, monkeypatch):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mlx_lm_patched/__init__.py imports .generate, so runpy warns that "
-    "the module was imported before it ran; drop this mark once it does not",
-)
 def test_generate_front_runs_without_warnings():
     done = python("-W", "error::RuntimeWarning", "-m", "mlx_lm_patched.generate", "-h")
     assert "RuntimeWarning" not in done.stderr

@@ -5,6 +5,7 @@ agreement of kv_bits 8 and 4 against the unquantized run, 500 decode steps.
 """
 
 import gc
+import itertools
 import json
 import random
 import subprocess
@@ -14,14 +15,16 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
-from mlx_lm.models.cache import (
-    RotatingKVCache,
-    load_prompt_cache,
-    make_prompt_cache,
-    save_prompt_cache,
-)
+from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
 
 QuantizedRotatingKVCache = cache_module.QuantizedRotatingKVCache
+
+
+def make_prompt_cache(model, max_kv_size=None):
+    """mlx-lm's, patched when the test is."""
+    return cache_module.make_prompt_cache(model, max_kv_size)
 
 
 def random_kv(*shape, dtype=mx.float32):
@@ -277,12 +280,12 @@ def test_quantized_logits_stay_close_to_the_unquantized_run(patched, load_tiny):
 
 
 if __name__ == "__main__":
-    import mlx_lm_patched  # noqa: F401  (applies the patches)
     from mlx_lm_patched import tiny
 
     report = {}
-    for family, max_kv_size in [("llama", 128), ("llama", None), ("gemma3_text", None)]:
-        model, _ = tiny.tiny_model(family)
-        name = f"{family}" + (f", max_kv_size={max_kv_size}" if max_kv_size else "")
+    runs = [("llama", 128), ("llama", None), ("gemma3_text", None)]
+    for (family, max_kv_size), head_dim in itertools.product(runs, (16, 128)):
+        model, _ = tiny.tiny_model(family, head_dim=head_dim)
+        name = f"{family}, head_dim={head_dim}, max_kv_size={max_kv_size}"
         report[name] = quality(model, 500, max_kv_size)
     print(json.dumps(report, indent=2))

@@ -1,0 +1,494 @@
+"""Batched quantized caches: ``BatchGenerator(kv_bits=...)``.
+
+Upstream cannot batch a quantized cache: ``QuantizedKVCache`` has no
+``merge`` (``batch_generate`` with quantized prompt caches raises "does not
+yet support batching with history"), ``BatchKVCache.merge`` of quantized
+caches returns an empty cache, ``BatchGenerator`` has no ``kv_bits``, and the
+server turns batching off whenever ``--kv-bits`` is set
+(ml-explore/mlx-lm#118, #126; PRs #941, #1322, #1343, #1526 closed unmerged).
+
+Here ``BatchQuantizedKVCache`` is ``BatchKVCache`` holding ``mx.quantize``
+tuples (merge, extract, filter, extend, prepare, finalize, trim, save/load);
+``QuantizedKVCache.merge`` and ``BatchKVCache.to_quantized`` lead to it, and
+``BatchKVCache.merge`` of quantized caches too. ``BatchGenerator`` and
+``batch_generate`` take ``kv_bits``, ``kv_group_size`` and
+``quantized_kv_start`` with ``generate_step``'s meaning: a batch's caches
+are quantized after the model call in which a row reaches
+``quantized_kv_start`` tokens (with 0, after the first prefill chunk, so each
+row matches its single stream token for token). The server keeps batching
+with ``--kv-bits`` and passes it on.
+"""
+
+import linecache
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.models.cache import _BaseCache
+from mlx_lm.sample_utils import LogitsProcessor, Sampler
+
+from ._registry import Patch, Target, class_patch, get_original, pasted_into, source_of
+from .quantized_ring import cache_class
+
+
+# Written as it would read in mlx_lm/models/cache.py, and run there.
+class BatchQuantizedKVCache:
+    # ``BatchKVCache``'s layout (its ``prepare``, ``trim``, ``make_mask`` and
+    # ``size`` run here unchanged): column ``t < _idx`` of the shared
+    # timeline, row ``b`` real from column ``left_padding[b]``,
+    # ``offset[b]`` its real tokens. ``keys``/``values`` are ``mx.quantize``
+    # tuples, each part (B, H, capacity, ...), columns ``[_idx, capacity)``
+    # free; group size, bits, dtype and head dims as in ``QuantizedKVCache``.
+    step = 256
+
+    def __init__(self, left_padding: List[int], group_size: int = 64, bits: int = 8):
+        self.keys = None
+        self.values = None
+        self.left_padding = mx.array(left_padding)
+        self.offset = mx.array([-l for l in left_padding])
+        self._idx = 0
+        self.group_size = group_size
+        self.bits = bits
+        self.dtype = None
+        self.head_dims = None
+
+        self._right_padding = None
+
+    def _quantize(self, keys, values):
+        return QuantizedRotatingKVCache._quantize(self, keys, values)
+
+    def _resize(self, like, capacity):
+        """Move columns ``[0, _idx)`` into buffers of ``capacity`` columns,
+        shaped like the quantized update ``like``."""
+        old = self.keys + self.values if self.keys is not None else (None,) * 6
+        new = []
+        for x, o in zip(like[0] + like[1], old):
+            n = mx.zeros((*x.shape[:2], capacity, x.shape[3]), x.dtype)
+            new.append(n if o is None else _put(n, o[..., : self._idx, :], [0]))
+        self.keys, self.values = tuple(new[:3]), tuple(new[3:])
+
+    def update_and_fetch(self, keys, values):
+        keys, values = self._quantize(keys, values)
+        prev, S = self._idx, keys[0].shape[2]
+        capacity = 0 if self.keys is None else self.keys[0].shape[2]
+        if prev + S > capacity:
+            capacity = max(prev + S, capacity + capacity // 2)
+            self._resize(
+                (keys, values), (capacity + self.step - 1) // self.step * self.step
+            )
+        self.offset = self.offset + S
+        self._idx += S
+        for c, x in zip(self.keys + self.values, keys + values):
+            c[..., prev : self._idx, :] = x
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        return tuple(
+            tuple(x[..., : self._idx, :] for x in parts)
+            for parts in (self.keys, self.values)
+        )
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        BatchKVCache.prepare(
+            self,
+            left_padding=left_padding,
+            lengths=lengths,
+            right_padding=right_padding,
+        )
+
+    def finalize(self):
+        if self._right_padding is not None:
+            padding = self._right_padding[:, None]
+            self.keys, self.values = (
+                tuple(dynamic_roll(x, padding, axis=2) for x in parts)
+                for parts in (self.keys, self.values)
+            )
+            self.offset = self.offset - self._right_padding
+            self.left_padding += self._right_padding
+            self._right_padding = None
+
+    @property
+    def state(self):
+        keys, values = (None, None) if self.keys is None else self.keys_and_values()
+        return (
+            keys,
+            values,
+            self.offset,
+            self.left_padding,
+            self._idx,
+            self.group_size,
+            self.bits,
+            self.dtype,
+            self.head_dims,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, self.offset, self.left_padding, self._idx = v[:5]
+        self.group_size, self.bits, self.dtype, head_dims = v[5:]
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+        self.head_dims = None if head_dims is None else tuple(head_dims)
+        self._right_padding = None
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        return BatchKVCache.trim(self, n)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        return BatchKVCache.make_mask(self, N, return_array=return_array, **kwargs)
+
+    def filter(self, batch_indices):
+        """
+        In-place filter to keep just the given indices in the cache.
+        """
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        # Shift left to reduce padding
+        shift = min(self.left_padding.tolist()) if self.left_padding.size else 0
+        if self.keys is not None:
+            self.keys, self.values = (
+                tuple(mx.contiguous(x[batch_indices, :, shift:]) for x in parts)
+                for parts in (self.keys, self.values)
+            )
+        self._idx -= shift
+        self.left_padding -= shift
+
+    def extend(self, other):
+        """
+        In-place extend this cache with the other cache.
+        """
+        if not hasattr(other, "bits"):
+            other = other.to_quantized(self.group_size, self.bits)
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        full = self if self.keys is not None else other
+        if (
+            other.keys is not None
+            and (self.keys is not None)
+            and (
+                (self.group_size, self.bits, self.head_dims)
+                != (other.group_size, other.bits, other.head_dims)
+            )
+        ):
+            raise ValueError(
+                "BatchQuantizedKVCache can only extend with a cache of the same "
+                "group size, bits and head dims"
+            )
+        max_idx = max(self._idx, other._idx)
+
+        # Right-justify both at ``max_idx`` columns.
+        def aligned(c):
+            if c.keys is None:
+                B = c.offset.shape[0]
+                return [
+                    mx.zeros((B, x.shape[1], max_idx, x.shape[3]), x.dtype)
+                    for x in full.keys + full.values
+                ]
+            pad = [(0, 0), (0, 0), (max_idx - c._idx, 0), (0, 0)]
+            return [mx.pad(x[..., : c._idx, :], pad) for x in c.keys + c.values]
+
+        parts = [mx.concatenate(p) for p in zip(aligned(self), aligned(other))]
+        self.keys, self.values = tuple(parts[:3]), tuple(parts[3:])
+        self.left_padding = mx.concatenate(
+            [c.left_padding + max_idx - c._idx for c in (self, other)]
+        )
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = max_idx
+        self.group_size, self.bits = full.group_size, full.bits
+        self.dtype, self.head_dims = full.dtype, full.head_dims
+
+    def extract(self, idx):
+        cache = QuantizedKVCache(self.group_size, self.bits)
+        if self.keys is None:
+            return cache
+        mx.eval(self.left_padding)
+        padding = self.left_padding.tolist()[idx]
+        cache.keys, cache.values = (
+            tuple(
+                mx.contiguous(x[idx : idx + 1, :, padding : self._idx]) for x in parts
+            )
+            for parts in (self.keys, self.values)
+        )
+        cache.offset = self._idx - padding
+        cache.dtype, cache.head_dims = self.dtype, self.head_dims
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        quantized = [c for c in caches if hasattr(c, "bits")]
+        group_size, bits = quantized[0].group_size, quantized[0].bits
+        caches = [
+            c if hasattr(c, "bits") else c.to_quantized(group_size, bits)
+            for c in caches
+        ]
+        lengths = [c.size() for c in caches]
+        max_length = max(lengths)
+        if max_length == 0:
+            return cls([0] * len(caches), group_size, bits)
+        full = [c for c in caches if c.size() > 0]
+        layouts = {(c.group_size, c.bits, tuple(c.head_dims)) for c in full}
+        if len(layouts) > 1:
+            raise ValueError(
+                "BatchQuantizedKVCache can only merge caches of the same group "
+                f"size, bits and head dims, got {sorted(layouts)}"
+            )
+
+        padding = [max_length - l for l in lengths]
+        cache = cls(padding, full[0].group_size, full[0].bits)
+        cache.dtype, cache.head_dims = full[0].dtype, full[0].head_dims
+        parts = []
+        for j, x in enumerate(full[0].keys + full[0].values):
+            shape = (len(caches), x.shape[1], max_length, x.shape[3])
+            parts.append(mx.zeros(shape, x.dtype))
+            for i, (p, c) in enumerate(zip(padding, caches)):
+                if c.size() > 0:
+                    live = (c.keys + c.values)[j][..., : c.offset, :]
+                    parts[j] = _put(parts[j], live, [i, p], (0, 2))
+        cache.keys, cache.values = tuple(parts[:3]), tuple(parts[3:])
+        cache.offset += max_length
+        cache._idx = max_length
+        return cache
+
+    def size(self):
+        return self._idx
+
+    def empty(self):
+        return self.keys is None
+
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        return sum(x.nbytes for x in self.keys + self.values)
+
+
+BatchQuantizedKVCache = cache_class(BatchQuantizedKVCache, _BaseCache)
+
+
+class _QuantizedKVCache:
+    @classmethod
+    def merge(_, caches):
+        return BatchQuantizedKVCache.merge(caches)
+
+
+class _BatchKVCache:
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        mx.eval(self.left_padding)
+        cache = BatchQuantizedKVCache(
+            self.left_padding.tolist(), group_size=group_size, bits=bits
+        )
+        cache.offset, cache._idx = self.offset, self._idx
+        cache._right_padding = self._right_padding
+        if self.keys is not None:
+            # The whole buffer: the quantized one has the same capacity.
+            cache.keys, cache.values = cache._quantize(self.keys, self.values)
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        if any(hasattr(c, "bits") for c in caches):
+            return BatchQuantizedKVCache.merge(caches)
+        lengths = [c.size() for c in caches]
+        max_length = max(lengths)
+
+        # No cache has content so make an empty one
+        if max_length == 0:
+            return BatchKVCache([0] * len(caches))
+
+        padding = [max_length - l for l in lengths]
+        B = len(caches)
+        H = max(c.keys.shape[1] for c in caches if c.keys is not None)
+        Dk = max(c.keys.shape[3] for c in caches if c.keys is not None)
+        Dv = max(c.values.shape[3] for c in caches if c.values is not None)
+        dt = next(iter(c.keys.dtype for c in caches if c.keys is not None))
+
+        keys = mx.zeros((B, H, max_length, Dk), dtype=dt)
+        values = mx.zeros((B, H, max_length, Dv), dtype=dt)
+        for i, (p, c) in enumerate(zip(padding, caches)):
+            if c.keys is None:
+                continue
+            keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
+            values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
+
+        cache = cls(padding)
+        cache.keys = keys
+        cache.values = values
+        cache.offset += keys.shape[2]
+        cache._idx = keys.shape[2]
+
+        return cache
+
+
+def maybe_quantize_batch_cache(
+    prompt_cache, quantized_kv_start, kv_group_size, kv_bits
+):
+    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once one
+    of its rows has seen ``quantized_kv_start`` tokens."""
+    if kv_bits is None:
+        return
+    for e, c in enumerate(prompt_cache):
+        if not hasattr(c, "to_quantized") or c.empty():
+            continue
+        if quantized_kv_start <= 0 or mx.max(c.offset).item() >= quantized_kv_start:
+            prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def _extend_cache(cache_a, cache_b):
+    if not cache_a:
+        return cache_b
+    if not cache_b:
+        return cache_a
+    for i, (ca, cb) in enumerate(zip(cache_a, cache_b)):
+        # One batch quantized, the other not yet: quantize it too.
+        if hasattr(cb, "bits") and not hasattr(ca, "bits"):
+            cache_a[i] = ca = ca.to_quantized(group_size=cb.group_size, bits=cb.bits)
+        ca.extend(cb)
+    return cache_a
+
+
+class BatchGenerator:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tokens: int = 128,
+        stop_tokens: Optional[Sequence[Sequence[int]]] = None,
+        sampler: Optional[Sampler] = None,
+        logits_processors: Optional[List[LogitsProcessor]] = None,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        max_kv_size: Optional[int] = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        stream=None,
+    ):
+        self.model = model
+        self.max_tokens = max_tokens
+        self.sampler = sampler or greedy_sampler
+        self.logits_processors = logits_processors or []
+        self.uid_count = 0
+        self.prefill_step_size = prefill_step_size
+        self.prefill_batch_size = prefill_batch_size
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.max_kv_size = max_kv_size
+        # As in generate_step: caches are quantized once a row has seen
+        # quantized_kv_start tokens (see maybe_quantize_batch_cache).
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.quantized_kv_start = quantized_kv_start
+
+        self._stream = stream or generation_stream
+
+        self._default_stop_sequences = StopSequences(
+            stop_tokens if stop_tokens else None,
+        )
+        self._uid_count = 0
+        self._prompt_batch = PromptProcessingBatch.empty(
+            self.model,
+            self.sampler,
+            prefill_step_size=prefill_step_size,
+        )
+        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._unprocessed_sequences = deque()
+        self._currently_processing = []
+
+        self._counters = BatchCounters()
+
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
+
+
+# Runs from here, not pasted: it wraps upstream's ``_next``.
+def _next(self):
+    responses = get_original("mlx_lm.generate:BatchGenerator", "_next")(self)
+    # Each batch has just run the model: quantize as generate_step does.
+    for batch in (self._prompt_batch, self._generation_batch):
+        maybe_quantize_batch_cache(
+            batch.prompt_cache,
+            self.quantized_kv_start,
+            self.kv_group_size,
+            self.kv_bits,
+        )
+    return responses
+
+
+class ResponseGenerator:
+    def _is_batchable(self, args):
+        return self.model_provider.is_batchable and args.seed is None
+
+
+def _server_generate():
+    """Upstream's ``ResponseGenerator._generate`` (its fingerprint pins the
+    source) with the server's KV quantization passed to its BatchGenerator."""
+    import mlx_lm.server
+
+    upstream = get_original("mlx_lm.server:ResponseGenerator", "_generate")
+    call = "                    stream=generation_stream,\n"
+    kv = [
+        "kv_bits=self.cli_args.kv_bits",
+        "kv_group_size=self.cli_args.kv_group_size",
+        "quantized_kv_start=self.cli_args.quantized_kv_start",
+    ]
+    kv = "".join(f"                    {a},\n" for a in kv)
+    source = source_of(upstream).replace(call, call + kv)
+    # Registered with linecache so that inspect finds the source, as for a file.
+    name = "<mlx_lm_patched.batch_quantized: ResponseGenerator._generate>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {}
+    exec(compile(source, name, "exec"), vars(mlx_lm.server), namespace)
+    return namespace["_generate"]
+
+
+PATCH = Patch(
+    "batch_quantized",
+    "BatchQuantizedKVCache: batched quantized caches; BatchGenerator, "
+    "batch_generate and the server take kv_bits",
+    [
+        Target(
+            "mlx_lm.models.cache", "BatchQuantizedKVCache", BatchQuantizedKVCache, None
+        ),
+        Target(
+            "mlx_lm.generate",
+            "maybe_quantize_batch_cache",
+            pasted_into("mlx_lm.generate", maybe_quantize_batch_cache),
+            None,
+        ),
+        Target(
+            "mlx_lm.generate",
+            "_extend_cache",
+            pasted_into("mlx_lm.generate", _extend_cache),
+            "15c766408c4c",
+        ),
+        Target("mlx_lm.generate:BatchGenerator", "_next", _next, "83e1aa6208fc"),
+        Target(
+            "mlx_lm.server:ResponseGenerator",
+            "_generate",
+            _server_generate(),
+            "1531444ae206",
+        ),
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache, {"merge": None}
+    )
+    + class_patch(
+        "mlx_lm.models.cache:BatchKVCache",
+        _BatchKVCache,
+        {"to_quantized": None, "merge": "5080e5997d08"},
+    )
+    + class_patch(
+        "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
+    )
+    + class_patch(
+        "mlx_lm.server:ResponseGenerator",
+        ResponseGenerator,
+        {"_is_batchable": "329f82e54a80"},
+    ),
+    requires=("quantized_cache", "quantized_ring"),
+)

@@ -11,6 +11,7 @@ from typing import Dict, List
 
 from . import (
     _registry,
+    batch_quantized,
     batch_rotating_prealloc,
     bounded_attention,
     max_kv_size,
@@ -36,6 +37,7 @@ PATCHES: List[_registry.Patch] = [
     quantized_cache.PATCH,
     max_kv_size.PATCH,
     quantized_ring.PATCH,
+    batch_quantized.PATCH,
 ]
 
 

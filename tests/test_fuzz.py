@@ -181,11 +181,11 @@ def quantized_sessions(draw):
     bits = draw(st.sampled_from([4, 8]))
     dim = draw(st.sampled_from([32, 64, 64, 80]))
     ops = st.one_of(
-        st.tuples(st.just("update"), st.integers(1, 160)),
+        st.tuples(st.just("update"), st.integers(1, 96)),
         st.tuples(st.just("update"), st.integers(1, 3)),
         st.tuples(st.just("trim"), st.integers(0, 64)),
         st.tuples(st.just("compact"), st.just(0)),
-        st.tuples(st.just("reserve"), st.integers(0, 400)),
+        st.tuples(st.just("reserve"), st.integers(0, 256)),
         st.tuples(st.just("save_load"), st.just(0)),
     )
     return group_size, bits, dim, draw(st.lists(ops, min_size=1, max_size=12))

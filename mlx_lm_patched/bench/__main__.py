@@ -25,7 +25,9 @@ def memory(argv):
 
 
 def soak(argv):
-    print("[bench] soak: not yet implemented (issue 7)", file=sys.stderr)
+    from . import soak
+
+    return soak.main(argv)
 
 
 def run_all(argv):

@@ -50,7 +50,8 @@ check-upstream: venv
 	$(PYTHON) -m mlx_lm_patched.upstream check-release $(VERSION)
 
 fuzz: venv
-	$(PYTHON) -m pytest -q tests/test_fuzz.py --fuzz-examples 10000
+	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q tests/test_fuzz.py \
+		--hypothesis-show-statistics
 
 soak: venv
 	$(PYTHON) -m mlx_lm_patched.bench soak

@@ -280,16 +280,15 @@ def test_extend_with_a_batch_of_another_max_size_or_keep_raises(other):
     assert frozen(more) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no merge for QuantizedKVCache: BatchKVCache.merge fails with "
-    "AttributeError: 'list' object has no attribute 'shape'",
-)
+@pytest.mark.parametrize("merge", ["QuantizedKVCache", "BatchKVCache"])
 @pytest.mark.parametrize("other", [(64, 4), (32, 8)])
-def test_merge_of_quantized_caches_of_other_bits_or_group_size_raises(other):
+def test_merge_of_quantized_caches_of_other_bits_or_group_size_raises(merge, other):
     a, b = quantized(), quantized(group_size=other[0], bits=other[1])
-    with pytest.raises(ValueError, match="QuantizedKVCache"):
-        BatchKVCache.merge([a, b])
+    before = frozen(a), frozen(b)
+    owner = QuantizedKVCache if merge == "QuantizedKVCache" else BatchKVCache
+    with pytest.raises(ValueError, match="same group size, bits and head dims"):
+        owner.merge([a, b])
+    assert (frozen(a), frozen(b)) == before
 
 
 # Files

@@ -133,10 +133,10 @@ def test_memory_method_counts_the_same_reallocations_as_pointer():
         assert p == m
 
 
-def test_dispatch_skips_or_stubs_what_is_missing(capsys):
-    assert bench.main(["soak"]) == 0
-    assert "not yet implemented (issue 7)" in capsys.readouterr().err
+def test_dispatch_knows_every_command_and_refuses_others(capsys):
+    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "all"}
     assert bench.main(["nonsense"]) == 2
+    assert "memory,quantized,soak,all" in capsys.readouterr().err
 
 
 def test_e2e_tiny_model_runs_every_cache():

@@ -44,7 +44,7 @@ def build_model(args):
             tie_word_embeddings=False,
         )
     )
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, args.dtype))
     for layer in model.layers:  # one layer's float32 init alive at a time
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
@@ -134,6 +134,7 @@ def build_parser():
     p.add_argument("--max-size", type=int, default=4096)
     p.add_argument("--keep", type=int, default=4)
     p.add_argument("--decode", type=int, default=300)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--rounds",
         type=int,

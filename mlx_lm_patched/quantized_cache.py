@@ -1,10 +1,10 @@
 """``QuantizedKVCache`` done right (issue 4).
 
 Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
-empty, counts and saves its padding, grows by concatenating 256-token steps,
-cannot give its tokens back in full precision, fails on head dims such as 80
-or 96 that group size 64 does not divide, and ``KVCache.to_quantized``
-quantizes the padding too. Here the cache:
+empty, lets ``trim(-1)`` grow ``offset``, saves its padding, grows by
+concatenating 256-token steps, cannot give its tokens back in full precision,
+and fails on head dims such as 96 or 80 that group size 64 does not divide;
+``KVCache.to_quantized`` quantizes the padding too. Here the cache:
 
 - reports live tokens (``size``), rejects negative trims, and ``compact()``
   frees what trimming left behind; ``nbytes`` is what the buffers hold;
@@ -15,23 +15,21 @@ quantizes the padding too. Here the cache:
   ``to_kv_cache()`` dequantizes to the original dtype;
 - picks a group size that divides the head dim (96 with 64 quantizes with
   32), or zero-pads it (80), padding the queries to match in
-  ``quantized_scaled_dot_product_attention``;
+  ``quantized_scaled_dot_product_attention``, which also attends in query
+  blocks of bounded scores (ml-explore/mlx-lm#1587), bit-identical;
 - ``prompt_cache_to_host`` copies any prompt cache to numpy on the calling
   thread (bfloat16 as uint16 bits); ``HostPromptCache.save`` then writes a
   file ``load_prompt_cache`` reads from any thread without touching MLX.
 """
 
-import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_reduce, tree_unflatten
-from mlx_lm.models import base as _base
-from mlx_lm.models import cache as _cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ._registry import Patch, Target, class_patch
+from ._registry import Patch, Target, class_patch, pasted_into
 
 
 def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):
@@ -325,7 +323,7 @@ class HostPromptCache:
         import json
 
         codes = {
-            "bool_": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
+            "bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
             "uint64": "U64", "int8": "I8", "int16": "I16", "int32": "I32",
             "int64": "I64", "float16": "F16", "bfloat16": "BF16",
             "float32": "F32", "float64": "F64",
@@ -400,32 +398,11 @@ def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
     return cache
 
 
-def _pasted_into(module, obj):
-    """``obj`` with its functions' globals those of ``module``, as if its source
-    were pasted there: a name that module lacks fails here too."""
-    if isinstance(obj, property):
-        fget, fset = (f and _pasted_into(module, f) for f in (obj.fget, obj.fset))
-        return property(fget, fset, doc=obj.__doc__)
-    if not isinstance(obj, types.FunctionType):
-        return obj
-    fn = types.FunctionType(
-        obj.__code__, vars(module), obj.__name__, obj.__defaults__, obj.__closure__
-    )
-    fn.__kwdefaults__ = obj.__kwdefaults__
-    fn.__doc__, fn.__qualname__ = obj.__doc__, obj.__qualname__
-    fn.__module__, fn.__annotations__ = module.__name__, obj.__annotations__
-    return fn
-
-
-for _ns in (_QuantizedKVCache, _KVCache):
-    for _name, _value in list(vars(_ns).items()):
-        if isinstance(_value, (property, types.FunctionType)):
-            setattr(_ns, _name, _pasted_into(_cache, _value))
-_kv_quant_layout = _pasted_into(_cache, _kv_quant_layout)
-prompt_cache_to_host = _pasted_into(_cache, prompt_cache_to_host)
-prompt_cache_from_host = _pasted_into(_cache, prompt_cache_from_host)
-quantized_scaled_dot_product_attention = _pasted_into(
-    _base, quantized_scaled_dot_product_attention
+_kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
+prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
+prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
+quantized_scaled_dot_product_attention = pasted_into(
+    "mlx_lm.models.base", quantized_scaled_dot_product_attention
 )
 
 

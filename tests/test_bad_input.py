@@ -155,7 +155,10 @@ def test_loaded_ring_update_that_does_not_fit_raises_and_changes_nothing(
     )
 
 
-@pytest.mark.parametrize("what", ["batch", "heads", "head_dim", "value_dim", "dtype"])
+@pytest.mark.parametrize(
+    "what",
+    [m if m != "length" else pytest.param(m, marks=LENGTH_XFAIL) for m in MISMATCHES],
+)
 def test_batch_update_that_does_not_fit_raises_and_changes_nothing(what):
     cache = batch()
     k, v = mismatches(2, 4)[what]
@@ -169,12 +172,18 @@ def test_batch_update_that_does_not_fit_raises_and_changes_nothing(what):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a loaded batch ring is reallocated from the update's dtype before "
-    "_check runs: float16 keys turn the float32 ring into float16",
+    reason="a loaded batch ring is reallocated from the update's shape before "
+    "_check runs: 3 heads or float16 keys are taken in silently, 1 row gives "
+    "MLX's 'Cannot broadcast array of shape (2,2,3,4) into shape (1,2,3,4)'",
 )
-def test_loaded_batch_update_of_another_dtype_raises_and_changes_nothing(tmp_path):
+@pytest.mark.parametrize("what", ["batch", "heads", "dtype"])
+def test_loaded_batch_update_that_does_not_fit_raises_and_changes_nothing(
+    what, tmp_path
+):
     cache = save_load(batch(), tmp_path)
-    k, v = mismatches(2, 4)["dtype"]
+    k, v = mismatches(2, 4)[what]
+    if what == "batch":
+        k, v = k[:1], v[:1]
     raises_unchanged(
         cache,
         lambda: cache.update_and_fetch(k, v),
@@ -190,6 +199,14 @@ def test_loaded_batch_update_of_another_dtype_raises_and_changes_nothing(tmp_pat
         "heads",
         "head_dim",
         "value_dim",
+        pytest.param(
+            "length",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="3 keys and 2 values: MLX's broadcast_shapes error, after "
+                "offset and the keys were already written",
+            ),
+        ),
         pytest.param(
             "dtype",
             marks=pytest.mark.xfail(

@@ -144,10 +144,10 @@ def test_e2e_tiny_model_runs_every_cache():
 
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompt 300 --chunk 128 --max-size 128 --decode 8 "
-    tiny += "--rounds 1 --device cpu"
+    tiny += "--rounds 1 --device cpu --only rotating_prealloc"
     out = e2e.main(tiny.split())
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
-    for side in ("upstream", "patched", "kvcache"):
+    for side in ("upstream", "patched", "kvcache", "only_rotating_prealloc"):
         assert out[side]["decode_tokens"] == 8
     assert out["patched"]["cache_nbytes_end"] == 128 * token
     # The unbounded cache holds all 308 tokens, in 256-token steps.

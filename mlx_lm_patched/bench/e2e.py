@@ -4,7 +4,8 @@ A ``--prompt``-token prompt is prefilled in ``--chunk``-token chunks as
 ``mlx_lm.generate.generate_step`` does (each chunk's peak recorded), then
 ``generate_step`` decodes ``--decode`` tokens, once per cache:
 ``RotatingKVCache(--max-size, keep)`` per layer upstream (reverted) and
-patched (applied), and an unbounded ``KVCache``. Reports peak memory above
+patched (applied), and an unbounded ``KVCache`` (and with ``--only PATCH``,
+rings with just that patch applied). Reports peak memory above
 the weights during prefill and during decode, and decode tokens per second:
 each cache is warmed up once, then measured ``--rounds`` times in alternating
 order; peaks are the worst round's, speeds the mean.
@@ -14,6 +15,7 @@ No files: the weights are made on the device.
 """
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -55,6 +57,11 @@ def _caches(args, kind):
     if kind == "kvcache":
         return [KVCache() for _ in range(args.layers)]
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
+
+
+def _only(patch):
+    mlx_lm_patched.revert()
+    mlx_lm_patched.apply(patch, strict=True)
 
 
 def _peak(weights):
@@ -141,6 +148,13 @@ def build_parser():
         default=2,
         help="measured runs per cache, in alternating order, after a warm-up",
     )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATCH",
+        help="also measure rings with only this patch applied (repeatable)",
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's")
     p.add_argument("--out", help="also write the JSON to this file")
     return p
@@ -170,6 +184,8 @@ def main(argv=None):
         "patched": (mlx_lm_patched.apply, "rotating"),
         "kvcache": (mlx_lm_patched.apply, "kvcache"),
     }
+    for patch in args.only:
+        sides[f"only_{patch}"] = (functools.partial(_only, patch), "rotating")
     runs = {name: [] for name in sides}
     for r in range(-1, args.rounds):  # round -1 warms up: kernels, pools
         for name in list(sides)[:: 1 if r % 2 else -1]:

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import BatchRotatingKVCache, _BaseCache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
 from ._registry import Patch, Target, class_patch, get_original, pasted_into, source_of
@@ -271,6 +271,159 @@ class BatchQuantizedKVCache:
 BatchQuantizedKVCache = cache_class(BatchQuantizedKVCache, _BaseCache)
 
 
+class BatchQuantizedRotatingKVCache:
+    # ``BatchRotatingKVCache`` itself (ring, sinks, padding, masks, filter,
+    # extend, trim: all its code), with keys and values each one uint32
+    # array: per token its packed quantized head dim, then its scales and
+    # biases bit for bit. Every slot operation thus moves whole tokens;
+    # attention gets them back as (packed, scales, biases) views.
+
+    def __init__(
+        self,
+        max_size,
+        left_padding: List[int],
+        keep: int = 0,
+        group_size: int = 64,
+        bits: int = 8,
+    ):
+        BatchRotatingKVCache.__init__(self, max_size, left_padding, keep)
+        self.group_size = group_size
+        self.bits = bits
+        self.dtype = None
+        self.head_dims = None
+
+    def _quantize(self, keys, values):
+        return QuantizedRotatingKVCache._quantize(self, keys, values)
+
+    def _pack(self, parts):
+        """One uint32 array from ``(packed, scales, biases)``."""
+        packed, scales, biases = parts
+        extra = mx.concatenate([scales, biases], axis=-1).view(mx.uint32)
+        return mx.concatenate([packed, extra], axis=-1)
+
+    def _unpack(self, x, head_dim):
+        """``(packed, scales, biases)`` views of ``x``'s tokens."""
+        _, k_width, v_width = _kv_quant_layout(
+            *self.head_dims, self.group_size, self.bits
+        )
+        width = k_width if head_dim == self.head_dims[0] else v_width
+        n = width * self.bits // 32
+        extra = x[..., n:].view(getattr(mx, self.dtype))
+        groups = extra.shape[-1] // 2
+        return x[..., :n], extra[..., :groups], extra[..., groups:]
+
+    def update_and_fetch(self, keys, values):
+        dims = (keys.shape[3], values.shape[3])
+        keys, values = (self._pack(q) for q in self._quantize(keys, values))
+        keys, values = BatchRotatingKVCache.update_and_fetch(self, keys, values)
+        return self._unpack(keys, dims[0]), self._unpack(values, dims[1])
+
+    @property
+    def state(self):
+        return (
+            *BatchRotatingKVCache.state.fget(self),
+            self.group_size,
+            self.bits,
+            self.dtype,
+            self.head_dims,
+        )
+
+    @state.setter
+    def state(self, v):
+        BatchRotatingKVCache.state.fset(self, v[:9])
+        self.group_size, self.bits, self.dtype, head_dims = v[9:]
+        self.head_dims = None if head_dims is None else tuple(head_dims)
+
+    def extend(self, other):
+        """
+        In-place extend this cache with the other cache.
+        """
+        if not hasattr(other, "bits"):
+            other = other.to_quantized(self.group_size, self.bits)
+        layouts = {(c.group_size, c.bits, c.head_dims) for c in (self, other)}
+        if self.keys is not None and other.keys is not None and len(layouts) > 1:
+            raise ValueError(
+                "BatchQuantizedRotatingKVCache can only extend with a cache of the "
+                f"same group size, bits and head dims, got {sorted(layouts)}"
+            )
+        BatchRotatingKVCache.extend(self, other)
+        if self.head_dims is None:
+            self.group_size, self.bits = other.group_size, other.bits
+            self.dtype, self.head_dims = other.dtype, other.head_dims
+
+    def extract(self, idx):
+        row = BatchRotatingKVCache.extract(self, idx)
+        cache = QuantizedRotatingKVCache(
+            self.max_size, self.keep, self.group_size, self.bits
+        )
+        cache.offset = row.offset
+        if row.keys is not None:
+            cache.keys = tuple(
+                map(mx.contiguous, self._unpack(row.keys, self.head_dims[0]))
+            )
+            cache.values = tuple(
+                map(mx.contiguous, self._unpack(row.values, self.head_dims[1]))
+            )
+            cache._idx = row._idx
+            cache.dtype, cache.head_dims = self.dtype, self.head_dims
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        quantized = [c for c in caches if hasattr(c, "bits")]
+        group_size, bits = quantized[0].group_size, quantized[0].bits
+        caches = [
+            c if hasattr(c, "bits") else c.to_quantized(group_size, bits)
+            for c in caches
+        ]
+        full = [c for c in caches if c.keys is not None]
+        layouts = {(c.group_size, c.bits, tuple(c.head_dims)) for c in full}
+        if len(layouts) > 1:
+            raise ValueError(
+                "BatchQuantizedRotatingKVCache can only merge caches of the same "
+                f"group size, bits and head dims, got {sorted(layouts)}"
+            )
+        # Each row as a RotatingKVCache of packed tokens, merged as those are.
+        rows = []
+        for c in caches:
+            row = RotatingKVCache(c.max_size, c.keep)
+            if c.keys is not None:
+                row.keys, row.values = cls._pack(c, c.keys), cls._pack(c, c.values)
+            row.offset, row._idx = c.offset, c._idx
+            rows.append(row)
+        cache = BatchRotatingKVCache.merge.__func__(cls, rows)
+        cache.group_size, cache.bits = group_size, bits
+        if full:
+            cache.dtype, cache.head_dims = full[0].dtype, tuple(full[0].head_dims)
+        return cache
+
+
+BatchQuantizedRotatingKVCache = cache_class(
+    BatchQuantizedRotatingKVCache, BatchRotatingKVCache
+)
+
+
+class _QuantizedRotatingKVCache:
+    @classmethod
+    def merge(_, caches):
+        return BatchQuantizedRotatingKVCache.merge(caches)
+
+
+class _BatchRotatingKVCache:
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        B = self.offset.shape[0]
+        cache = BatchQuantizedRotatingKVCache(
+            self.max_size, [0] * B, self.keep, group_size, bits
+        )
+        cache.left_padding, cache.offset = self.left_padding, self.offset
+        cache._offset, cache._idx, cache.rotated = self._offset, self._idx, self.rotated
+        cache._lengths = self._lengths
+        if self.keys is not None:
+            keys, values = cache._quantize(self.keys, self.values)
+            cache.keys, cache.values = cache._pack(keys), cache._pack(values)
+        return cache
+
+
 class _QuantizedKVCache:
     @classmethod
     def merge(_, caches):
@@ -333,7 +486,7 @@ def maybe_quantize_batch_cache(
     if kv_bits is None:
         return
     for e, c in enumerate(prompt_cache):
-        if not hasattr(c, "to_quantized") or c.empty():
+        if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
             continue
         if quantized_kv_start <= 0 or mx.max(c.offset).item() >= quantized_kv_start:
             prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
@@ -455,6 +608,12 @@ PATCH = Patch(
             "mlx_lm.models.cache", "BatchQuantizedKVCache", BatchQuantizedKVCache, None
         ),
         Target(
+            "mlx_lm.models.cache",
+            "BatchQuantizedRotatingKVCache",
+            BatchQuantizedRotatingKVCache,
+            None,
+        ),
+        Target(
             "mlx_lm.generate",
             "maybe_quantize_batch_cache",
             pasted_into("mlx_lm.generate", maybe_quantize_batch_cache),
@@ -483,6 +642,16 @@ PATCH = Patch(
         {"to_quantized": None, "merge": "5080e5997d08"},
     )
     + class_patch(
+        "mlx_lm.models.cache:QuantizedRotatingKVCache",
+        _QuantizedRotatingKVCache,
+        {"merge": None},
+    )
+    + class_patch(
+        "mlx_lm.models.cache:BatchRotatingKVCache",
+        _BatchRotatingKVCache,
+        {"to_quantized": "1c90dcd384db"},
+    )
+    + class_patch(
         "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
     )
     + class_patch(
@@ -490,5 +659,5 @@ PATCH = Patch(
         ResponseGenerator,
         {"_is_batchable": "329f82e54a80"},
     ),
-    requires=("quantized_cache", "quantized_ring"),
+    requires=("batch_rotating_prealloc", "quantized_cache", "quantized_ring"),
 )

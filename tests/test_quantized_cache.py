@@ -190,11 +190,13 @@ def test_to_quantized_quantizes_only_live_tokens_and_records_dtype():
     assert KVCache().to_quantized().nbytes == 0
 
 
-def test_host_snapshot_round_trips_bfloat16_bit_exactly_through_numpy(tmp_path):
+def test_host_snapshot_round_trips_bfloat16_bit_exactly_through_numpy():
     caches = [filled(40, dtype=mx.bfloat16), KVCache()]
     caches[1].update_and_fetch(*kv(33, dtype=mx.bfloat16))
     host = prompt_cache_to_host(caches, {"model": "tiny"})
-    assert all(isinstance(a, np.ndarray) for a in host.arrays.values())
+    assert all(
+        isinstance(a, np.ndarray) and a.flags.owndata for a in host.arrays.values()
+    )
     assert "bfloat16" in host.dtypes.values()
     caches[0].update_and_fetch(*kv(2, dtype=mx.bfloat16, seed=5))  # snapshot is a copy
     restored, meta = prompt_cache_from_host(host, return_metadata=True)

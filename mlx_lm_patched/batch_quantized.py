@@ -415,9 +415,12 @@ class _BatchRotatingKVCache:
         cache = BatchQuantizedRotatingKVCache(
             self.max_size, [0] * B, self.keep, group_size, bits
         )
-        cache.left_padding, cache.offset = self.left_padding, self.offset
+        # New arrays: ``-=`` on a shared one would move both caches.
+        cache.left_padding = mx.array(self.left_padding)
+        cache.offset = mx.array(self.offset)
         cache._offset, cache._idx, cache.rotated = self._offset, self._idx, self.rotated
-        cache._lengths = self._lengths
+        if self._lengths is not None:
+            cache._lengths = mx.array(self._lengths)
         if self.keys is not None:
             keys, values = cache._quantize(self.keys, self.values)
             cache.keys, cache.values = cache._pack(keys), cache._pack(values)
@@ -436,8 +439,9 @@ class _BatchKVCache:
         cache = BatchQuantizedKVCache(
             self.left_padding.tolist(), group_size=group_size, bits=bits
         )
-        cache.offset, cache._idx = self.offset, self._idx
-        cache._right_padding = self._right_padding
+        cache.offset, cache._idx = mx.array(self.offset), self._idx
+        if self._right_padding is not None:
+            cache._right_padding = mx.array(self._right_padding)
         if self.keys is not None:
             # The whole buffer: the quantized one has the same capacity.
             cache.keys, cache.values = cache._quantize(self.keys, self.values)

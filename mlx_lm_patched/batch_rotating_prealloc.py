@@ -149,9 +149,9 @@ class BatchRotatingKVCache:
             raise RuntimeError(
                 "finalize() should be called before decoding with BatchRotatingKVCache"
             )
+        _check_update(self, keys, values)
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
-        _check_update(self, keys, values)
         if self.keep:
             self._update_sinks(keys, values)
         if self._offset + S <= self.max_size - self.keep:
@@ -279,6 +279,22 @@ class BatchRotatingKVCache:
             mask = sinks | (mask & (slot >= self.keep))
         return mask
 
+    def filter(self, batch_indices):
+        """
+        In-place filter to keep just the given indices in the cache.
+        """
+        B, rows = self.offset.shape[0], mx.array(batch_indices)
+        if rows.size and ((rows < -B) | (rows >= B)).any().item():
+            raise IndexError(
+                f"BatchRotatingKVCache.filter: rows {rows.tolist()} out of range "
+                f"for {B} rows"
+            )
+        if self.keys is not None:
+            self.keys = self.keys[batch_indices]
+            self.values = self.values[batch_indices]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+
     def extend(self, other):
         """
         In-place extend this cache with the other cache.
@@ -323,6 +339,11 @@ class BatchRotatingKVCache:
         self.rotated = False
 
     def extract(self, idx):
+        B = self.offset.shape[0]
+        if not -B <= idx < B:
+            raise IndexError(
+                f"BatchRotatingKVCache.extract: row {idx} out of range for {B} rows"
+            )
         cache = RotatingKVCache(self.max_size, self.keep)
         mx.eval(self.left_padding, self.offset)
         cache.offset = self.offset.tolist()[idx]
@@ -399,6 +420,7 @@ PATCH = Patch(
             "is_trimmable": "f266b2c1321a",
             "trim": "6016a533a41f",
             "make_mask": "0ead5fbf5d65",
+            "filter": "f987878dfb7f",
             "extend": "2710c7080f16",
             "extract": "514b9880b66d",
             "merge": "228e19f9fda9",

@@ -23,14 +23,17 @@ from ._registry import Patch, Target, class_patch, pasted_into
 
 
 def _check_update(cache, keys, values):
-    """Raise, changing nothing, if ``keys``/``values`` do not fit ``cache``'s buffers."""
-    held = (cache.keys.shape[:2], cache.keys.shape[3], cache.values.shape[3])
-    new = (keys.shape[:2], keys.shape[3], values.shape[3])
-    if held != new or keys.dtype != cache.keys.dtype:
+    """Raise, changing nothing, if ``keys``/``values`` do not fit ``cache``."""
+    new = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+    held = new
+    if cache.keys is not None:
+        k, v = cache.keys, cache.values
+        held = (*k.shape[:2], k.shape[3], v.shape[3], k.dtype)
+    if held != new or keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
         raise ValueError(
-            f"{type(cache).__name__} holds (batch, heads)={held[0]}, head dims "
-            f"{held[1:]} of {cache.keys.dtype}; got {new[0]}, {new[1:]} of "
-            f"{keys.dtype}"
+            f"{type(cache).__name__} holds (batch, heads, key dim, value dim, "
+            f"dtype) {held}; got keys {keys.shape} {keys.dtype} and values "
+            f"{values.shape} {values.dtype}"
         )
 
 
@@ -94,9 +97,9 @@ class RotatingKVCache:
         return tuple(seen)
 
     def update_and_fetch(self, keys, values):
+        _check_update(self, keys, values)
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
-        _check_update(self, keys, values)
         S = keys.shape[2]
         if self.offset + S <= self.max_size:
             prev = self.offset

@@ -67,14 +67,14 @@ def trimmed_cache(args, bits, patched):
     """``--tokens`` live tokens after a 256-step prefill and a 100-token trim."""
     cache = filled_kv_cache(args.tokens + 100, args.heads, args.head_dim)
     if bits is not None:
-        q = QuantizedKVCache(group_size=64, bits=bits)
+        keys, values = cache.keys_and_values()
+        cache = QuantizedKVCache(group_size=64, bits=bits)
         for begin in range(0, args.tokens + 100, 256):
-            q.update_and_fetch(
-                cache.keys[..., begin : begin + 256, :],
-                cache.values[..., begin : begin + 256, :],
+            cache.update_and_fetch(
+                keys[..., begin : begin + 256, :], values[..., begin : begin + 256, :]
             )
-            mx.eval(q.keys, q.values)
-        cache = q
+            mx.eval(cache.keys, cache.values)
+        del keys, values
     cache.trim(100)
     if patched and bits is not None:
         cache.compact()

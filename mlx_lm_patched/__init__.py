@@ -15,6 +15,7 @@ from . import (
     batch_rotating_prealloc,
     bounded_attention,
     max_kv_size,
+    prompt_cache_files,
     quantized_cache,
     quantized_ring,
     rotating_prealloc,
@@ -38,6 +39,7 @@ PATCHES: List[_registry.Patch] = [
     max_kv_size.PATCH,
     quantized_ring.PATCH,
     batch_quantized.PATCH,
+    prompt_cache_files.PATCH,
 ]
 
 
@@ -77,7 +79,8 @@ def status() -> Dict[str, dict]:
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()
 
+from mlx_lm import batch_generate, generate, load, stream_generate  # noqa: E402
+
 # Import the ``generate`` front first so mlx-lm's function, bound below, keeps
 # the name (mlx-lm's own package does the same with its ``generate`` module).
 from . import generate as _generate_front  # noqa: E402,F401
-from mlx_lm import batch_generate, generate, load, stream_generate  # noqa: E402

@@ -1031,15 +1031,28 @@ def cmd_check_release(args) -> int:
 # -- upstream's tests, offline, unpatched and patched -------------------------------
 
 
-def build_hub_standins(dest: Path) -> Dict[str, str]:
-    """Tiny local models for every hub repo the upstream tests load."""
+# A made-up commit: the stand-ins live in a Hugging Face cache of their own,
+# so upstream's ``load`` finds them through the real offline hub lookup.
+STANDIN_REVISION = "0" * 40
+
+
+def hub_cache(work: Path) -> Path:
+    return work / "hf-home" / "hub"
+
+
+def build_hub_standins(work: Path) -> Dict[str, str]:
+    """Tiny local models for every hub repo the upstream tests load, written
+    into the Hugging Face cache under ``work`` (``hub_cache``)."""
     from . import tiny
 
     out = {}
     for repo, spec in HUB_MODELS.items():
-        path = dest / repo.replace("/", "--")
+        entry = hub_cache(work) / f"models--{repo.replace('/', '--')}"
+        path = entry / "snapshots" / STANDIN_REVISION
         if not (path / "config.json").exists():
             _tiny_model_dir(path, tiny, **spec)
+            (entry / "refs").mkdir(exist_ok=True)
+            (entry / "refs" / "main").write_text(STANDIN_REVISION)
         out[repo] = str(path)
     return out
 
@@ -1058,6 +1071,8 @@ def _tiny_model_dir(path: Path, tiny, family, config, quantize, dtype) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in weights}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tiny.write_tokenizer(path)
     _swap_token_ids(path / "tokenizer.json", "!", "<|endoftext|>")
@@ -1085,29 +1100,9 @@ _results: Dict[str, dict] = {}
 _RANK = {"passed": 0, "xfailed": 0, "skipped": 1, "failed": 2, "error": 2}
 
 
-def _offline_snapshot_download(models):
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    def snapshot_download(repo_id, *args, **kwargs):
-        if repo_id in models:
-            return models[repo_id]
-        raise LocalEntryNotFoundError(
-            f"offline: {repo_id} has no local stand-in (mlx_lm_patched.upstream)"
-        )
-
-    return snapshot_download
-
-
 def pytest_configure(config):
-    models = os.environ.get(MODELS_ENV)
-    if not models:
+    if not os.environ.get(MODELS_ENV):
         return
-    import huggingface_hub
-    import mlx_lm.utils
-
-    fake = _offline_snapshot_download(json.loads(models))
-    mlx_lm.utils.snapshot_download = fake
-    huggingface_hub.snapshot_download = fake
     import mlx_lm_patched
 
     want = os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0"
@@ -1194,7 +1189,7 @@ def run_upstream_tests(
     timeout: float = 1800,
 ) -> Run:
     label = "patched" if patched else "unpatched"
-    (work / "hf-home" / "hub").mkdir(parents=True, exist_ok=True)
+    hub_cache(work).mkdir(parents=True, exist_ok=True)
     report = work / f"{label}.json"
     log = work / f"{label}.log"
     env = dict(os.environ)
@@ -1206,8 +1201,8 @@ def run_upstream_tests(
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
-            "HF_HOME": str(work / "hf-home"),
-            "HF_HUB_CACHE": str(work / "hf-home" / "hub"),
+            "HF_HOME": str(hub_cache(work).parent),
+            "HF_HUB_CACHE": str(hub_cache(work)),
             "PYTHONPATH": os.pathsep.join(
                 filter(None, [str(ROOT), env.get("PYTHONPATH", "")])
             ),
@@ -1307,7 +1302,7 @@ def cmd_test(args) -> int:
             return 2
     work = Path(tempfile.mkdtemp(prefix="mlx-lm-upstream-tests-"))
     shutil.copytree(tree / "tests", work / "tests")
-    models = build_hub_standins(work / "models")
+    models = build_hub_standins(work)
     extra = ["-k", args.k] if args.k else []
     runs = [run_upstream_tests(files, p, work, models, extra) for p in (False, True)]
     for run in runs:

@@ -435,7 +435,7 @@ def test_upstream_suite_runs_offline_and_patched(sdist, tmp_path):
     """The plumbing of ``upstream test``: hub loads served by the stand-in,
     patches applied only in the patched run, outcomes recorded."""
     shutil.copytree(sdist / "tests", tmp_path / "tests")
-    models = upstream.build_hub_standins(tmp_path / "models")
+    models = upstream.build_hub_standins(tmp_path)
     files = ["test_prompt_cache.py"]
     extra = ["-k", "rotating or test_save_load"]
     runs = [

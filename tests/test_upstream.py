@@ -423,11 +423,15 @@ def test_compare_runs_flags_only_regressions():
             "t.py::d": {"outcome": "skipped", "reason": "no metal"},
         },
     )
-    worse, text = upstream.compare_runs(["t.py"], base, patched)
+    worse, text = upstream.compare_runs(["t.py"], base, patched, accepted={})
     assert [w.split(":")[0] for w in worse] == ["t.py", "t.py"]
     assert "t.py::a" in worse[0] and "regressed" in worse[0]
     assert "t.py::e" in worse[1] and "not run patched" in worse[1]
     assert "failing in both runs: 1\n  t.py::c: both" in text
+    assert "t.py    " in text and "1 passed   2 failed   1 skipped" in text
+
+    worse, text = upstream.compare_runs(["t.py"], base, patched, {"t.py::a": "why"})
+    assert len(worse) == 1 and "t.py::a: regressed (accepted: why)" in text
 
 
 @pytest.mark.slow

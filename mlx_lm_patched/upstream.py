@@ -934,8 +934,10 @@ class TargetCheck:
 
 
 def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
-    """Each target's recorded fingerprint against ``tree``'s source text."""
+    """Each target's recorded fingerprint against ``tree``'s source text (for
+    a class an earlier patch adds, against that patch's source of it)."""
     out, texts = [], {}
+    current: Optional[Dict[str, str]] = {}  # None once a patch cannot be written
     for patch in patches:
         for t in patch.targets:
             module, cls = _split_owner(t.owner)
@@ -950,6 +952,11 @@ def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
             if text is None:
                 out.append(TargetCheck(patch.name, where, "missing", f"no {rel}"))
                 continue
+            if cls and _class_node(_parse(text), cls) is None and current:
+                patched = current.get(rel)
+                if patched and _class_node(_parse(patched), cls) is not None:
+                    text = patched
+                    where += " (class added by an earlier patch)"
             try:
                 src, found_in = source_from_text(text, cls, t.attr)
             except GenerateError as e:
@@ -990,6 +997,11 @@ def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
                             f"fingerprint {fp}, written for {t.fingerprint}{inherited}",
                         )
                     )
+        if current is not None:
+            try:
+                current = apply_to_sources(current, patch, tree)
+            except GenerateError:
+                current = None
     return out
 
 

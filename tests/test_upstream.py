@@ -324,6 +324,31 @@ def test_generated_series_applies_and_runs_like_the_monkeypatch(sdist, tmp_path)
         mlx_lm_patched.apply()
 
 
+class NewCache:
+    def size(self):
+        return 0
+
+
+class _NewCacheSize:
+    def size(self):
+        return 1
+
+
+def test_patch_on_a_class_an_earlier_patch_adds(sdist, tmp_path):
+    first = Patch("adds", "x", [Target(CACHE, "NewCache", NewCache, None)])
+    fp = _registry.fingerprint(NewCache.size)
+    owner = f"{CACHE}:NewCache"
+    second = Patch("on_it", "y", class_patch(owner, _NewCacheSize, {"size": fp}))
+    checks = upstream.check_targets([first, second], sdist)
+    assert [(c.status, c.where) for c in checks] == [
+        ("new", f"{CACHE}.NewCache"),
+        ("match", f"{CACHE}.NewCache.size (class added by an earlier patch)"),
+    ]
+    series = upstream.generate([first, second], sdist, tmp_path)
+    text = series.final["mlx_lm/models/cache.py"]
+    assert text.endswith("class NewCache:\n    def size(self):\n        return 1\n")
+
+
 def test_regeneration_is_deterministic_and_keeps_last_update(sdist, tmp_path):
     patches = [_throwaway()]
     patch_dir = tmp_path / "patches"

@@ -13,7 +13,7 @@ tuples (merge, extract, filter, extend, prepare, finalize, trim, save/load);
 ``BatchKVCache.merge`` of quantized caches too. ``BatchGenerator`` and
 ``batch_generate`` take ``kv_bits``, ``kv_group_size`` and
 ``quantized_kv_start`` with ``generate_step``'s meaning: a batch's caches
-are quantized after the model call in which a row reaches
+are quantized after the model call in which its longest row reaches
 ``quantized_kv_start`` tokens (with 0, after the first prefill chunk, so each
 row matches its single stream token for token). The server keeps batching
 with ``--kv-bits`` and passes it on.
@@ -485,14 +485,16 @@ class _BatchKVCache:
 def maybe_quantize_batch_cache(
     prompt_cache, quantized_kv_start, kv_group_size, kv_bits
 ):
-    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once one
-    of its rows has seen ``quantized_kv_start`` tokens."""
+    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once its
+    timeline (its longest row, padding included) has ``quantized_kv_start``
+    columns, read on the host so that decoding never waits for it."""
     if kv_bits is None:
         return
     for e, c in enumerate(prompt_cache):
         if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
             continue
-        if quantized_kv_start <= 0 or mx.max(c.offset).item() >= quantized_kv_start:
+        columns = c._offset if hasattr(c, "_offset") else c._idx
+        if columns >= quantized_kv_start:
             prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
 
 

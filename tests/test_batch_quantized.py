@@ -69,14 +69,14 @@ def test_batched_rows_equal_their_single_streams_token_for_token(
     model, tokenizer = load_tiny(family)
     kw = dict(kv_bits=bits, quantized_kv_start=0, max_kv_size=max_kv_size)
     out = batch_generate(
-        model, tokenizer, PROMPTS, max_tokens=60, return_token_ids=True,
+        model, tokenizer, PROMPTS, max_tokens=40, return_token_ids=True,
         return_prompt_caches=True, **kw,
     )  # fmt: skip
     for prompt, tokens, caches in zip(PROMPTS, out.token_ids, out.caches):
-        want, cache = single(model, prompt, 60, **kw)
+        want, cache = single(model, prompt, 40, **kw)
         # A row stops at the end of sequence token, a single stream goes on.
         assert tokens == want[: len(tokens)]
-        assert len(tokens) == 60 or want[len(tokens)] in tokenizer.eos_token_ids
+        assert len(tokens) == 40 or want[len(tokens)] in tokenizer.eos_token_ids
         assert [type(c) for c in caches] == [type(c) for c in cache]
         assert all(hasattr(c, "bits") for c in caches)
 
@@ -271,3 +271,17 @@ def test_quantized_batch_ring_survives_save_and_load_bit_exact(patched, tmp_path
         [dequantized(p, 4) for p in loaded.update_and_fetch(k, v)],
         [dequantized(p, 4) for p in q.update_and_fetch(k, v)],
     )
+
+
+@pytest.mark.parametrize("start, quantized", [(60, True), (100, False)])
+def test_batch_caches_are_quantized_once_the_longest_row_reaches_the_start(
+    patched, load_tiny, start, quantized
+):
+    model, tokenizer = load_tiny("llama")
+    out = batch_generate(
+        model, tokenizer, PROMPTS, max_tokens=20, return_prompt_caches=True,
+        kv_bits=8, quantized_kv_start=start,
+    )  # fmt: skip
+    # The longest prompt has 50 tokens: its row passes 60 but not 100.
+    kinds = {type(c) for caches in out.caches for c in caches}
+    assert kinds == ({QuantizedKVCache} if quantized else {KVCache})

@@ -61,7 +61,7 @@ def sizes(rng, max_size):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_attention_sees_the_fp_ring_quantized_token_by_token(patched, bits):
     rng = random.Random(bits)
-    for _ in range(60):
+    for _ in range(40):
         max_size, keep = rng.choice([8, 16]), rng.choice([0, 4])
         window = rng.choice([None, max_size - 2])
         fp = RotatingKVCache(max_size, keep)
@@ -185,7 +185,8 @@ def test_quantized_ring_memory_against_the_bf16_ring(patched):
         fp, q8, q4 = ring_memory(None), ring_memory(8), ring_memory(4)
     finally:
         mx.set_cache_limit(limit)
-    assert fp == 2 * 2048 * 8 * 128 * 2
+    # Keys and values; a few bytes more where MLX's random key was replaced.
+    assert 0 <= fp - 2 * 2048 * 8 * 128 * 2 < 1024
     assert q8 <= 0.55 * fp
     assert q4 <= 0.30 * fp
 
@@ -202,20 +203,20 @@ def run_greedy(model, prompt, steps, **kwargs):
 def test_generate_with_kv_bits_and_max_kv_size_runs_to_length(patched, load_tiny, bits):
     model, _ = load_tiny("llama")
     tokens, cache = run_greedy(
-        model, list(range(1, 40)), 200, kv_bits=bits, max_kv_size=64,
+        model, list(range(1, 40)), 100, kv_bits=bits, max_kv_size=48,
         quantized_kv_start=0,
     )  # fmt: skip
-    assert len(tokens) == 200
+    assert len(tokens) == 100
     assert {type(c) for c in cache} == {QuantizedRotatingKVCache}
-    assert all(c.bits == bits and c.offset == 39 + 200 for c in cache)
+    assert all(c.bits == bits and c.offset == 39 + 100 for c in cache)
 
 
 def test_gemma3_sliding_layers_quantize(patched, load_tiny):
     model, _ = load_tiny("gemma3_text")
     tokens, cache = run_greedy(
-        model, list(range(1, 100)), 150, kv_bits=4, quantized_kv_start=50
+        model, list(range(1, 100)), 100, kv_bits=4, quantized_kv_start=50
     )
-    assert len(tokens) == 150
+    assert len(tokens) == 100
     assert [type(c).__name__ for c in cache] == [
         "QuantizedRotatingKVCache",
         "QuantizedKVCache",

@@ -117,9 +117,10 @@ def sdist_tree(version: str = UPSTREAM_VERSION) -> Path:
     archive = CACHE / f"mlx_lm-{version}.tar.gz"
     if not archive.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as d:
+            spec = "mlx-lm" if version == "latest" else f"mlx-lm=={version}"
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps"]
             cmd += ["--no-binary", ":all:", "--disable-pip-version-check", "-q"]
-            cmd += [f"mlx-lm=={version}", "-d", d]
+            cmd += [spec, "-d", d]
             r = subprocess.run(cmd, capture_output=True, text=True)
             found = sorted(Path(d).glob("*.tar.gz"))
             if r.returncode or not found:
@@ -127,6 +128,12 @@ def sdist_tree(version: str = UPSTREAM_VERSION) -> Path:
                     f"could not download the mlx-lm {version} sdist "
                     f"({' '.join(cmd[1:])}): {(r.stderr or r.stdout).strip()[-800:]}"
                 )
+            if version == "latest":
+                version = found[0].name[len("mlx_lm-") : -len(".tar.gz")]
+                tree = CACHE / f"mlx_lm-{version}"
+                archive = CACHE / found[0].name
+                if (tree / "PKG-INFO").exists():
+                    return tree
             os.replace(found[0], archive)
     with tempfile.TemporaryDirectory(dir=CACHE) as d:
         with tarfile.open(archive) as tf:
@@ -1006,8 +1013,8 @@ def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
 
 
 def cmd_check_release(args) -> int:
-    version = args.version
-    tree = sdist_tree(version)
+    tree = sdist_tree(args.version)
+    version = tree.name[len("mlx_lm-") :]
     checks = check_targets(_all_patches(), tree)
     print(f"mlx-lm {version} (patches written for {UPSTREAM_VERSION})")
     for name in dict.fromkeys(c.patch for c in checks):
@@ -1356,7 +1363,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = sub.add_parser(
         "check-release", help="do the patches fit another mlx-lm release"
     )
-    p.add_argument("version")
+    p.add_argument(
+        "version",
+        nargs="?",
+        default="latest",
+        help="an mlx-lm version (default: latest)",
+    )
     args = parser.parse_args(argv)
     handler = {
         "patches": cmd_patches,

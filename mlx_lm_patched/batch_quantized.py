@@ -563,19 +563,95 @@ class BatchGenerator:
 
         self._old_wired_limit = maybe_set_recommended_wired_limit()
 
-
-# Runs from here, not pasted: it wraps upstream's ``_next``.
-def _next(self):
-    responses = get_original("mlx_lm.generate:BatchGenerator", "_next")(self)
-    # Each batch has just run the model: quantize as generate_step does.
-    for batch in (self._prompt_batch, self._generation_batch):
+    def _maybe_quantize(self, batch):
+        """Quantize ``batch``'s caches as ``generate_step`` does after a model call."""
         maybe_quantize_batch_cache(
             batch.prompt_cache,
             self.quantized_kv_start,
             self.kv_group_size,
             self.kv_bits,
         )
-    return responses
+
+    def _next(self):
+        generation_responses = []
+        prompt_responses = []
+
+        # Generate tokens first
+        if len(self._generation_batch) > 0:
+            tic = time.perf_counter()
+            generation_responses = self._generation_batch.next()
+            self._maybe_quantize(self._generation_batch)
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+            if self._counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+
+        # Exit early because we already have our hands full with decoding
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return prompt_responses, generation_responses
+
+        # Check if we have sequences and add them to the prompt batch
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+            len(self._unprocessed_sequences),
+        )
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+
+        # Split the prompt sequences to the ones moving to generation and the rest
+        keep = []
+        split = []
+        for i, seq in enumerate(self._currently_processing):
+            segments = seq[0]
+            if len(segments) == 1 and len(segments[0]) == 1:
+                split.append(i)
+            else:
+                keep.append(i)
+
+        # Actually split off part of the prompt batch and start generation
+        if split:
+            last_inputs = [self._currently_processing[i][0][0] for i in split]
+            progress = [(self._currently_processing[i][2],) * 2 for i in split]
+            self._currently_processing = [self._currently_processing[i] for i in keep]
+            gen_batch = self._prompt_batch.split(split).generate(last_inputs)
+            for i, p in enumerate(progress):
+                prompt_responses.append(
+                    PromptProcessingBatch.Response(
+                        gen_batch.uids[i],
+                        p,
+                        True,
+                        True,
+                    )
+                )
+            self._generation_batch.extend(gen_batch)
+
+        # Extract the next prompts input
+        prompts = []
+        for i, seq in enumerate(self._currently_processing):
+            response = PromptProcessingBatch.Response(
+                self._prompt_batch.uids[i], 0, False, False
+            )
+            segments = seq[0]
+            n = min(len(segments[0]), self.prefill_step_size)
+            prompts.append(segments[0][:n])
+            segments[0] = segments[0][n:]
+            if len(segments[0]) == 0:
+                segments.pop(0)
+                response.end_of_segment = True
+            seq[1] += len(prompts[-1])
+            response.progress = (seq[1], seq[2])
+            prompt_responses.append(response)
+
+        # Process the prompts
+        self._counters.prompt_tokens += sum(len(p) for p in prompts)
+        tic = time.perf_counter()
+        self._prompt_batch.prompt(prompts)
+        self._maybe_quantize(self._prompt_batch)
+        self._counters.prompt_time += time.perf_counter() - tic
+
+        return prompt_responses, generation_responses
 
 
 class ResponseGenerator:
@@ -631,7 +707,6 @@ PATCH = Patch(
             pasted_into("mlx_lm.generate", _extend_cache),
             "15c766408c4c",
         ),
-        Target("mlx_lm.generate:BatchGenerator", "_next", _next, "83e1aa6208fc"),
         Target(
             "mlx_lm.server:ResponseGenerator",
             "_generate",
@@ -658,7 +733,9 @@ PATCH = Patch(
         {"to_quantized": "1c90dcd384db"},
     )
     + class_patch(
-        "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
+        "mlx_lm.generate:BatchGenerator",
+        BatchGenerator,
+        {"__init__": "4ba63a2bd86d", "_maybe_quantize": None, "_next": "83e1aa6208fc"},
     )
     + class_patch(
         "mlx_lm.server:ResponseGenerator",

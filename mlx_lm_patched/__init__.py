@@ -79,8 +79,6 @@ def status() -> Dict[str, dict]:
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()
 
+# ``generate`` is mlx-lm's function; importing the ``generate`` front module
+# rebinds the name to that module, which stays callable as the function.
 from mlx_lm import batch_generate, generate, load, stream_generate  # noqa: E402
-
-# Import the ``generate`` front first so mlx-lm's function, bound below, keeps
-# the name (mlx-lm's own package does the same with its ``generate`` module).
-from . import generate as _generate_front  # noqa: E402,F401

@@ -10,20 +10,23 @@ larger than ``max_kv_size``, and every other cache is left as it is. Which
 layers changed is logged once per model class and change.
 """
 
-import logging
 from typing import Any, List, Optional
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ._registry import Patch, Target
+from ._registry import Patch, Target, pasted_into
 
-logger = logging.getLogger(__name__)
-_logged = set()
+# Written as they would read in mlx_lm/models/cache.py, and run there
+# (``KVCache`` and ``RotatingKVCache`` are that module's).
+
+_bounded_logged = set()  # (model class, changes) already logged
 
 
-def _bounded(cache: List[Any], max_kv_size: int) -> List[str]:
-    """Bound ``cache``'s layers in place; return what changed, per layer."""
+def _bound_layers(model, cache: List[Any], max_kv_size: int):
+    """Bound ``model``'s ``cache`` in place to ``max_kv_size`` tokens a layer;
+    log which layers changed, once per model class and change."""
+    import logging
+
     changed = []
     for i, c in enumerate(cache):
         if type(c) is KVCache:
@@ -35,10 +38,19 @@ def _bounded(cache: List[Any], max_kv_size: int) -> List[str]:
                 f"{i}: RotatingKVCache({c.max_size}) -> "
                 f"RotatingKVCache({max_kv_size}, keep={c.keep})"
             )
-    return changed
+    key = (type(model).__qualname__, tuple(changed))
+    if changed and key not in _bounded_logged:
+        _bounded_logged.add(key)
+        logging.getLogger(__name__).info(
+            "max_kv_size=%d: bounded %d of %d cache layers of %s (%s)",
+            max_kv_size,
+            len(changed),
+            len(cache),
+            type(model).__qualname__,
+            "; ".join(changed),
+        )
 
 
-# Runs from this module, not pasted into cache.py: that file has no logger.
 def make_prompt_cache(
     model: nn.Module,
     max_kv_size: Optional[int] = None,
@@ -58,18 +70,7 @@ def make_prompt_cache(
     if hasattr(model, "make_cache"):
         cache = model.make_cache()
         if max_kv_size is not None:
-            changed = _bounded(cache, max_kv_size)
-            key = (type(model).__qualname__, tuple(changed))
-            if changed and key not in _logged:
-                _logged.add(key)
-                logger.info(
-                    "max_kv_size=%d: bounded %d of %d cache layers of %s (%s)",
-                    max_kv_size,
-                    len(changed),
-                    len(cache),
-                    type(model).__qualname__,
-                    "; ".join(changed),
-                )
+            _bound_layers(model, cache, max_kv_size)
         return cache
 
     num_layers = len(model.layers)
@@ -85,11 +86,18 @@ PATCH = Patch(
     "max_kv_size",
     "make_prompt_cache: honour max_kv_size for models with make_cache",
     [
+        Target("mlx_lm.models.cache", "_bounded_logged", _bounded_logged, None),
+        Target(
+            "mlx_lm.models.cache",
+            "_bound_layers",
+            pasted_into("mlx_lm.models.cache", _bound_layers),
+            None,
+        ),
         Target(
             "mlx_lm.models.cache",
             "make_prompt_cache",
-            make_prompt_cache,
+            pasted_into("mlx_lm.models.cache", make_prompt_cache),
             "ae8ee8ce5ac6",
-        )
+        ),
     ],
 )

@@ -77,8 +77,8 @@ def test_upstream_ignores_max_kv_size_for_models_with_make_cache(upstream, load_
 
 def test_changed_layers_are_logged_once(patched, load_tiny, caplog):
     model, _ = load_tiny("llama_sliding")
-    max_kv_size._logged.clear()
-    with caplog.at_level(logging.INFO, logger="mlx_lm_patched.max_kv_size"):
+    max_kv_size._bounded_logged.clear()
+    with caplog.at_level(logging.INFO, logger="mlx_lm.models.cache"):
         for _ in range(3):
             make_prompt_cache(model, max_kv_size=48)
     (record,) = caplog.records

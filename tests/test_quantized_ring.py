@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+from ringref import data_pointer
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
 
@@ -87,6 +88,15 @@ def test_the_ring_is_allocated_once_and_written_in_place(patched):
         q.update_and_fetch(*random_kv(1, 2, S, 64))
         assert [x.shape for x in q.keys + q.values] == shapes
     assert q.nbytes == sum(x.nbytes for x in q.keys + q.values)
+
+
+def test_decode_writes_into_the_same_buffers_after_the_first_update(patched):
+    q = QuantizedRotatingKVCache(32, keep=4, bits=8)
+    pointers = set()
+    for S in [5] + [1] * 60:
+        mx.eval(q.update_and_fetch(*random_kv(1, 2, S, 64)))
+        pointers.add(tuple(data_pointer(x) for x in q.keys + q.values))
+    assert len(pointers) == 1
 
 
 def test_converting_a_wrapped_fp_ring_keeps_its_layout(patched):

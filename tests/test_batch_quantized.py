@@ -2,6 +2,13 @@
 
 import copy
 import inspect
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -285,3 +292,52 @@ def test_batch_caches_are_quantized_once_the_longest_row_reaches_the_start(
     # The longest prompt has 50 tokens: its row passes 60 but not 100.
     kinds = {type(c) for caches in out.caches for c in caches}
     assert kinds == ({QuantizedKVCache} if quantized else {KVCache})
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete(port, prompt, out):
+    body = json.dumps({"prompt": prompt, "max_tokens": 30, "temperature": 0})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        body.encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        out[prompt] = json.loads(r.read())
+
+
+def test_server_with_kv_bits_answers_concurrent_requests_on_localhost(make_tiny_dir):
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "mlx_lm_patched.server",
+        "--model", str(make_tiny_dir("llama_sliding")), "--port", str(port),
+        "--kv-bits", "8", "--quantized-kv-start", "0",
+    ]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        out = {}
+        prompts = ["The key and value cache", "A sliding window keeps", "Tests"]
+        threads = [
+            threading.Thread(target=complete, args=(port, p, out)) for p in prompts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(out) == set(prompts)
+        assert all(r["usage"]["completion_tokens"] > 0 for r in out.values())
+    finally:
+        server.terminate()
+        stderr = server.communicate(timeout=30)[1].decode()
+    assert "generation thread died" not in stderr

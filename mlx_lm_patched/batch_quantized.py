@@ -168,17 +168,15 @@ class BatchQuantizedKVCache:
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         full = self if self.keys is not None else other
-        if (
-            other.keys is not None
-            and (self.keys is not None)
-            and (
-                (self.group_size, self.bits, self.head_dims)
-                != (other.group_size, other.bits, other.head_dims)
-            )
-        ):
+        layouts = {
+            (c.group_size, c.bits, c.head_dims)
+            for c in (self, other)
+            if c.keys is not None
+        }
+        if len(layouts) > 1:
             raise ValueError(
                 "BatchQuantizedKVCache can only extend with a cache of the same "
-                "group size, bits and head dims"
+                f"group size, bits and head dims, got {sorted(layouts)}"
             )
         max_idx = max(self._idx, other._idx)
 
@@ -340,8 +338,12 @@ class BatchQuantizedRotatingKVCache:
         """
         if not hasattr(other, "bits"):
             other = other.to_quantized(self.group_size, self.bits)
-        layouts = {(c.group_size, c.bits, c.head_dims) for c in (self, other)}
-        if self.keys is not None and other.keys is not None and len(layouts) > 1:
+        layouts = {
+            (c.group_size, c.bits, c.head_dims)
+            for c in (self, other)
+            if c.keys is not None
+        }
+        if len(layouts) > 1:
             raise ValueError(
                 "BatchQuantizedRotatingKVCache can only extend with a cache of the "
                 f"same group size, bits and head dims, got {sorted(layouts)}"

@@ -46,6 +46,7 @@ import tarfile
 import tempfile
 import textwrap
 import tokenize
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,33 @@ def _class_node(tree: ast.Module, qualname: str) -> Optional[ast.ClassDef]:
     return node
 
 
+@functools.lru_cache(maxsize=256)
+def find_class(text: str, qualname: str) -> Optional[ast.ClassDef]:
+    """The class ``qualname`` defined at the top of ``text``. Parses only that
+    class when its ``class`` line can be found (line numbers are the file's),
+    as rewriting a patch re-reads the file after every change."""
+    top, _, _ = qualname.partition(".")
+    lines = _lines(text)
+    pattern = re.compile(rf"class\s+{re.escape(top)}\b")
+    start = next((i for i, line in enumerate(lines) if pattern.match(line)), None)
+    if start is None:
+        return None
+    while start > 0 and lines[start - 1].startswith("@"):
+        start -= 1
+    try:
+        module = ast.parse("".join(inspect.getblock(lines[start:])))
+    except SyntaxError:
+        module = None
+    if (
+        module is None
+        or not module.body
+        or not isinstance(module.body[0], ast.ClassDef)
+    ):
+        return _class_node(_parse(text), qualname)
+    ast.increment_lineno(module, start)
+    return _class_node(module, qualname)
+
+
 @dataclass
 class Definition:
     kind: str  # "plain" | "getter" | "setter" | "deleter" | "value"
@@ -227,11 +255,10 @@ class Definition:
 
 def find_definitions(text: str, cls: Optional[str], attr: str) -> List[Definition]:
     """Where ``attr`` is defined in class ``cls`` (or the module body)."""
-    tree = _parse(text)
     if cls is None:
-        body = tree.body
+        body = _parse(text).body
     else:
-        node = _class_node(tree, cls)
+        node = find_class(text, cls)
         if node is None:
             raise GenerateError(f"class {cls} not found")
         body = node.body
@@ -247,10 +274,10 @@ def find_definitions(text: str, cls: Optional[str], attr: str) -> List[Definitio
     return found
 
 
-def _bases(tree: ast.Module, cls: str) -> List[str]:
-    node = _class_node(tree, cls)
+def _bases(text: str, cls: str) -> List[str]:
+    node = find_class(text, cls)
     names = [b.id for b in node.bases if isinstance(b, ast.Name)] if node else []
-    return [n for n in names if _class_node(tree, n) is not None]
+    return [n for n in names if find_class(text, n) is not None]
 
 
 def source_from_text(
@@ -259,7 +286,6 @@ def source_from_text(
     """``(source, where)``: what ``_registry.source_of`` gives for ``attr`` of
     ``cls`` in a module whose source is ``text`` (``None``: not defined or
     not a function/class/property); ``where`` names the defining class."""
-    tree = _parse(text)
     lines = _lines(text)
     todo, seen = [cls], set()
     while todo:
@@ -282,7 +308,7 @@ def source_from_text(
             )
             return src, where
         if c is not None:
-            todo += _bases(tree, c)
+            todo += _bases(text, c)
     return None, "absent"
 
 
@@ -305,11 +331,40 @@ def _functions(new) -> List:
     return []
 
 
-def replacement_lines(new, attr: str, indent: str) -> List[str]:
+def _assignment_lines(attr: str, cls: Optional[str], origin) -> Optional[List[str]]:
+    """The statement assigning ``attr`` at the top of the file ``origin`` (in
+    its class named like ``cls``, for a class attribute), if there is one."""
+    if not origin or not Path(origin).exists():
+        return None
+    text = Path(origin).read_text()
+    body = _parse(text).body
+    if cls is not None:
+        node = find_class(text, cls.split(".")[-1])
+        body = node.body if node is not None else []
+    lines = _lines(text)
+    for stmt in body:
+        if _assigns(stmt, attr):
+            start, end = _span(lines, stmt)
+            return lines[start:end]
+    return None
+
+
+def replacement_lines(
+    new, attr: str, indent: str, origin=None, cls: Optional[str] = None
+) -> List[str]:
     """The source of ``new`` re-indented to ``indent``, as written in its
-    module (a property's getter, setter and the blank lines between)."""
+    module (a property's getter, setter and the blank lines between). A
+    module is an ``import``; any other value is its assignment in ``origin``
+    (the patch's file), else its ``repr`` if that reads back equal."""
+    if isinstance(new, types.ModuleType):
+        line = f"import {new.__name__}"
+        return [indent + line + ("\n" if attr == new.__name__ else f" as {attr}\n")]
     funcs = _functions(new)
     if not funcs:
+        found = _assignment_lines(attr, cls, origin)
+        if found:
+            old = re.match(r"[ \t]*", found[0]).group(0)
+            return _reindent(found, old, indent)
         text = f"{attr} = {new!r}\n"
         try:
             same = ast.literal_eval(repr(new)) == new
@@ -350,7 +405,7 @@ def _source_block(obj) -> Tuple[int, int, List[str]]:
     if inspect.isclass(obj):
         file = _source_file(obj)
         text = Path(file).read_text() if file else ""
-        node = _class_node(_parse(text), obj.__qualname__) if text else None
+        node = find_class(text, obj.__qualname__) if text else None
         if node is None:
             raise GenerateError(f"no source for class {obj.__qualname__}")
         lines = _lines(text)
@@ -404,7 +459,7 @@ def _split_owner(owner: str) -> Tuple[str, Optional[str]]:
 
 
 def _body_indent(text: str, cls: str) -> str:
-    node = _class_node(_parse(text), cls)
+    node = find_class(text, cls)
     return " " * node.body[0].col_offset
 
 
@@ -420,7 +475,7 @@ def _is_removal(t: Target) -> bool:
     return t.new is getattr(_registry, "REMOVED", None)
 
 
-def _rewrite_target(text: str, t: Target, siblings: List[Target]) -> str:
+def _rewrite_target(text: str, t: Target, siblings: List[Target], origin=None) -> str:
     """``text`` with target ``t`` replaced, inserted or removed."""
     _, cls = _split_owner(t.owner)
     lines = _lines(text)
@@ -440,7 +495,7 @@ def _rewrite_target(text: str, t: Target, siblings: List[Target]) -> str:
             del lines[start:end]
         return "".join(lines)
     indent = _body_indent(text, cls) if cls else ""
-    new = replacement_lines(t.new, t.attr, indent)
+    new = replacement_lines(t.new, t.attr, indent, origin, cls)
     if defs:
         first = min(d.start for d in defs)
         for d in sorted(defs, key=lambda d: -d.start):
@@ -466,22 +521,66 @@ def _rewrite_target(text: str, t: Target, siblings: List[Target]) -> str:
             at = _attached_comments(lines, min(d.start for d in found))
             lines[at:at] = new + ["\n"]
             return "".join(lines)
-    node = _class_node(_parse(text), cls)
+    node = find_class(text, cls)
     at = _span(lines, node.body[-1])[1]
     lines[at:at] = ["\n"] + new
     return "".join(lines)
+
+
+_IMPORTS = (ast.Import, ast.ImportFrom)
+
+
+def _first_definition(body: List[ast.stmt]) -> int:
+    return next(
+        (i for i, n in enumerate(body) if not isinstance(n, _IMPORTS + (ast.Expr,))),
+        len(body),
+    )
+
+
+def _import_line(text: str, name: str) -> int:
+    """Where ``import name`` goes, isort-style: among the plain imports of the
+    first block of imports (stdlib, in upstream's files), in name order."""
+    body = _parse(text).body
+    group: List[ast.stmt] = []
+    for node in body[: _first_definition(body)]:
+        if not isinstance(node, _IMPORTS):
+            continue
+        if group and node.lineno > group[-1].end_lineno + 1:
+            break  # a blank line ends the first block
+        group.append(node)
+    if not group:
+        return 0
+    for node in group:
+        if isinstance(node, ast.ImportFrom) or node.names[0].name > name:
+            return node.lineno - 1
+    return group[-1].end_lineno
+
+
+def _imports(text: str, name: str) -> bool:
+    """Whether the module binds ``name`` with an import statement."""
+    for node in _parse(text).body:
+        if isinstance(node, _IMPORTS):
+            for alias in node.names:
+                if (alias.asname or alias.name.split(".")[0]) == name:
+                    return True
+    return False
 
 
 def _uses(node: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
 
-def _place_module_level(text: str, t: Target) -> str:
-    """Insert a new module-level object before the first statement using it."""
-    if find_definitions(text, None, t.attr):
+def _place_module_level(text: str, t: Target, origin=None) -> str:
+    """Insert a new module-level object before the first statement using it
+    (an import after the imports at the top)."""
+    if find_definitions(text, None, t.attr) or _imports(text, t.attr):
         return text
     lines = _lines(text)
-    new = replacement_lines(t.new, t.attr, "")
+    new = replacement_lines(t.new, t.attr, "", origin)
+    if isinstance(t.new, types.ModuleType):
+        at = _import_line(text, t.new.__name__)
+        lines[at:at] = new
+        return "".join(lines)
     for node in _parse(text).body:
         if not isinstance(node, (ast.Import, ast.ImportFrom)) and _uses(node, t.attr):
             at = _attached_comments(lines, _start(node))
@@ -496,6 +595,7 @@ def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[st
     """The files a patch touches, rewritten; ``files`` holds earlier patches'
     output (anything missing is read from ``tree``)."""
     out = dict(files)
+    origin = getattr(_patch_module(patch), "__file__", None)
     for t in patch.targets:
         module, _ = _split_owner(t.owner)
         rel = module_file(module, tree)
@@ -508,14 +608,15 @@ def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[st
             s for s in patch.targets if s.owner == t.owner and not _is_removal(s)
         ]
         try:
-            out[rel] = _rewrite_target(out[rel], t, siblings)
+            out[rel] = _rewrite_target(out[rel], t, siblings, origin)
         except GenerateError as e:
             raise GenerateError(f"patch {patch.name!r}: {e}") from None
-    for t in patch.targets:
+    # Last first, so an object an earlier one is used by is already in place.
+    for t in reversed(patch.targets):
         module, cls = _split_owner(t.owner)
         if cls is None and not _is_removal(t):
             rel = module_file(module, tree)
-            out[rel] = _place_module_level(out[rel], t)
+            out[rel] = _place_module_level(out[rel], t, origin)
     for rel, text in out.items():
         try:
             compile(text, rel, "exec")
@@ -799,7 +900,7 @@ def check_patches(patch_dir: Path = PATCH_DIR, patches=None) -> List[str]:
     problems += [
         f"{c.patch}: {c.where} {c.status} upstream ({c.detail or 'no fingerprint'}), "
         "so the monkeypatch would not apply"
-        for c in check_targets(patches, tree)
+        for c in check_targets(patches, tree, series)
         if not c.ok
     ]
     problems += [f"undefined names: {w}" for w in series.warnings if "uses" in w]
@@ -940,12 +1041,15 @@ class TargetCheck:
         return self.status in ("match", "new")
 
 
-def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
+def check_targets(
+    patches: Sequence[Patch], tree: Path, series: Optional[Series] = None
+) -> List[TargetCheck]:
     """Each target's recorded fingerprint against ``tree``'s source text (for
-    a class an earlier patch adds, against that patch's source of it)."""
+    a class an earlier patch adds, against that patch's source of it, from
+    ``series`` if it was generated already)."""
     out, texts = [], {}
     current: Optional[Dict[str, str]] = {}  # None once a patch cannot be written
-    for patch in patches:
+    for i, patch in enumerate(patches):
         for t in patch.targets:
             module, cls = _split_owner(t.owner)
             where = f"{module}.{cls + '.' if cls else ''}{t.attr}"
@@ -959,9 +1063,9 @@ def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
             if text is None:
                 out.append(TargetCheck(patch.name, where, "missing", f"no {rel}"))
                 continue
-            if cls and _class_node(_parse(text), cls) is None and current:
+            if cls and find_class(text, cls) is None and current:
                 patched = current.get(rel)
-                if patched and _class_node(_parse(patched), cls) is not None:
+                if patched and find_class(patched, cls) is not None:
                     text = patched
                     where += " (class added by an earlier patch)"
             try:
@@ -1004,7 +1108,9 @@ def check_targets(patches: Sequence[Patch], tree: Path) -> List[TargetCheck]:
                             f"fingerprint {fp}, written for {t.fingerprint}{inherited}",
                         )
                     )
-        if current is not None:
+        if series is not None:
+            current = series.steps[i][1]
+        elif current is not None:
             try:
                 current = apply_to_sources(current, patch, tree)
             except GenerateError:

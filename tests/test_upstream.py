@@ -6,6 +6,7 @@ Everything runs against the pinned mlx-lm sdist, downloaded once into
 
 import inspect
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -52,7 +53,7 @@ def test_check_patches_cli_is_fast_and_quiet(sdist):
         [sys.executable, "-m", "mlx_lm_patched.upstream", "check-patches"],
         capture_output=True,
         text=True,
-        timeout=40,
+        timeout=120,  # 5-20 s; CI machines under load take longer
     )
     assert r.returncode == 0, r.stderr
     assert "check-patches: OK" in r.stdout
@@ -324,6 +325,33 @@ def test_generated_series_applies_and_runs_like_the_monkeypatch(sdist, tmp_path)
         mlx_lm_patched.apply()
 
 
+_LIMIT = 1 << 20  # written as source, not as 1048576
+
+
+def _log_size(cache):
+    logging.getLogger(__name__).debug("%d tokens, limit %d", cache.offset, _LIMIT)
+
+
+def test_imports_and_values_are_written_as_source(sdist, tmp_path):
+    patch = Patch(
+        "logs",
+        "x",
+        [
+            Target(CACHE, "_LIMIT", _LIMIT, None),
+            Target(CACHE, "_log_size", _log_size, None),
+            Target(CACHE, "logging", logging, None),
+        ],
+    )
+    series = upstream.generate([patch], sdist, tmp_path)
+    assert series.warnings == []
+    text = series.final["mlx_lm/models/cache.py"]
+    assert text.startswith(
+        "# Copyright © 2023 Apple Inc.\n\nimport copy\nimport logging\nfrom collections"
+    )
+    limit = text.index("_LIMIT = 1 << 20  # written as source, not as 1048576\n")
+    assert limit < text.index("def _log_size(cache):")
+
+
 class NewCache:
     def size(self):
         return 0
@@ -393,8 +421,8 @@ def test_patch_whose_source_does_not_import_is_named(sdist, tmp_path, monkeypatc
     monkeypatch.setattr(
         upstream,
         "replacement_lines",
-        lambda new, attr, indent: (
-            source.splitlines(True) if new is empty else real(new, attr, indent)
+        lambda new, attr, indent, *rest: (
+            source.splitlines(True) if new is empty else real(new, attr, indent, *rest)
         ),
     )
     owner = f"{CACHE}:KVCache"

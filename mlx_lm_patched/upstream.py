@@ -8,17 +8,24 @@
   source: a replaced attribute's definition (decorators, property getter and
   setter included) gives way to the replacement's source, a new method goes
   next to its neighbours in the patch's namespace class, a new module-level
-  object goes before the first definition that uses it, a removed one goes.
+  object goes before the first definition that uses it (a module target is
+  an ``import``, among the first block of imports; any other value is its
+  assignment in the patch's file), a removed one goes.
 - ``check-patches``: fail if regenerating would change ``patches/``, if the
-  series does not apply in order to a fresh sdist tree, or if the patched
-  source uses a name it does not define.
+  series does not apply in order to a fresh sdist tree, if a fingerprint does
+  not match the pinned source, if the patched source uses a name it does not
+  define, or if the patched modules do not import (naming the first patch
+  after which they do not).
 - ``vendor``: build ``dist/mlx_lm-<pinned>+patched.N`` (N patches in the
   series), a wheel of the sdist with the series applied.
-- ``test [FILE ...]``: run upstream's cache-related tests offline (hub models
-  replaced by tiny local ones) unpatched and patched, and compare.
-- ``check-release VERSION``: per patch and target, does that release still
-  have the upstream source each patch was written for, and does the series
-  apply to it.
+- ``test [FILE ...]``: run upstream's cache-related tests offline, unpatched
+  and patched, and compare; the hub model they load is a tiny random-weight
+  stand-in in a Hugging Face cache of its own (``HF_HUB_OFFLINE=1``), so
+  upstream's ``load`` runs unchanged. ``-p mlx_lm_patched.upstream`` records
+  each test's outcome.
+- ``check-release [VERSION]``: per patch and target, does that release (default
+  the latest) still have the upstream source each patch was written for, and
+  does the series apply to it.
 
 The sdist is fetched with ``pip download`` into ``.upstream/`` (git-ignored).
 The Description of a patch is its ``summary`` and the docstring of the module

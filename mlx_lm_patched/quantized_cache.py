@@ -99,7 +99,7 @@ class _QuantizedKVCache:
             self.dtype = str(keys[1].dtype).rpartition(".")[2]
             self.head_dims = (k_head_dim, v_head_dim)
         capacity = 0 if self.keys is None else self.keys[0].shape[-2]
-        if end > capacity:
+        if end > capacity or self.keys is None:
             if end <= self.reserved:
                 capacity = self.reserved
             else:
@@ -197,7 +197,7 @@ class _QuantizedKVCache:
         self.keys = tuple(resize(x) for x in self.keys)
         self.values = tuple(resize(x) for x in self.values)
 
-    def to_kv_cache(self) -> KVCache:
+    def to_kv_cache(self) -> "KVCache":
         """The live tokens dequantized into a ``KVCache`` of the original dtype."""
         kv_cache = KVCache()
         if self.keys is None or self.offset == 0:
@@ -278,7 +278,8 @@ def quantized_scaled_dot_product_attention(
             bits=bits,
         )
         if mask is not None:
-            m = mask[..., i : i + rows, :] if mask.shape[-2] > 1 else mask
+            rowwise = mask.ndim > 1 and mask.shape[-2] > 1
+            m = mask[..., i : i + rows, :] if rowwise else mask
             if m.dtype == mx.bool_:
                 scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
             else:

@@ -38,9 +38,15 @@ def _check_update(cache, keys, values):
 
 
 def _put(buffer, update, start, axes=(2,)):
-    """``buffer[..., start:start + n, :] = update`` into ``buffer``'s memory;
-    ``__setitem__`` over a whole array would return ``update`` itself."""
-    return mx.slice_update(buffer, update, mx.array(start), axes)
+    """``buffer[..., start:start + n, :] = update`` into ``buffer``'s memory."""
+    if update.shape == buffer.shape:
+        # ``__setitem__`` over a whole array would return ``update`` itself.
+        return mx.slice_update(buffer, update, mx.array(start), axes)
+    index = [slice(None)] * buffer.ndim
+    for axis, s in zip(axes, start):
+        index[axis] = slice(s, s + update.shape[axis])
+    buffer[tuple(index)] = update
+    return buffer
 
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs

@@ -97,7 +97,15 @@ HUB_MODELS = {
 }
 # Upstream tests a patch changes on purpose (they pin the behaviour it fixes
 # or an internal detail it replaces): node id -> why. Keep this short.
-ACCEPTED_CHANGES: Dict[str, str] = {}
+ACCEPTED_CHANGES: Dict[str, str] = {
+    "test_prompt_cache.py::TestPromptCache::test_batch_rotating_kv_cache": (
+        "batch_rotating_prealloc: the ring holds max_size slots from the first "
+        "update, so after filter keys are (1, 1, 4, 8), not upstream's (1, 1, 3, 8)"
+    ),
+    "test_server.py::TestServerKVCacheQuantization::test_quantized_kv_disables_batching": (
+        "batch_quantized: the server keeps batching on with --kv-bits on purpose"
+    ),
+}
 MODELS_ENV = "MLX_LM_PATCHED_UPSTREAM_MODELS"
 REPORT_ENV = "MLX_LM_PATCHED_UPSTREAM_REPORT"
 

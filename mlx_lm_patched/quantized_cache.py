@@ -74,14 +74,24 @@ class _QuantizedKVCache:
     def update_and_fetch(self, keys, values):
         B, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
-        if self.keys is not None and (
-            (B, n_kv_heads) != self.keys[0].shape[:2]
-            or (k_head_dim, v_head_dim) != tuple(self.head_dims)
+        dtype = str(keys.dtype).rpartition(".")[2]
+        if (
+            keys.shape[:3] != values.shape[:3]
+            or keys.dtype != values.dtype
+            or self.keys is not None
+            and (
+                (B, n_kv_heads) != self.keys[0].shape[:2]
+                or (k_head_dim, v_head_dim) != tuple(self.head_dims)
+                or self.dtype not in (None, dtype)
+            )
         ):
+            held = None
+            if self.keys is not None:
+                held = (*self.keys[0].shape[:2], *self.head_dims, self.dtype)
             raise ValueError(
-                f"QuantizedKVCache holds (batch, heads, k_dim, v_dim) "
-                f"{(*self.keys[0].shape[:2], *self.head_dims)}, got "
-                f"{(B, n_kv_heads, k_head_dim, v_head_dim)}"
+                f"QuantizedKVCache holds (batch, heads, k_dim, v_dim, dtype) {held}; "
+                f"got keys {keys.shape} {dtype} and values {values.shape} "
+                f"{values.dtype}"
             )
         group_size, k_width, v_width = _kv_quant_layout(
             k_head_dim, v_head_dim, self.group_size, self.bits

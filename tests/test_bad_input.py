@@ -171,30 +171,7 @@ def test_loaded_batch_update_that_does_not_fit_raises_and_changes_nothing(
     )
 
 
-@pytest.mark.parametrize(
-    "what",
-    [
-        "batch",
-        "heads",
-        "head_dim",
-        "value_dim",
-        pytest.param(
-            "length",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="3 keys and 2 values: MLX's broadcast_shapes error, after "
-                "offset and the keys were already written",
-            ),
-        ),
-        pytest.param(
-            "dtype",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="float16 keys are quantized into a float32 cache silently",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("what", MISMATCHES)
 def test_quantized_update_that_does_not_fit_raises_and_changes_nothing(what):
     cache = quantized()
     k, v = mismatches(1, 64)[what]

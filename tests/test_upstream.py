@@ -506,7 +506,9 @@ def test_upstream_suite_runs_offline_and_patched(sdist, tmp_path):
     worse, text = upstream.compare_runs(files, *runs)
     assert worse == [], text
     # setUpClass loaded the stand-in through mlx_lm.utils.load.
-    assert all(v["outcome"] == "passed" for v in runs[1].tests().values()), text
+    outcomes = runs[1].tests().items()
+    accepted = upstream.ACCEPTED_CHANGES
+    assert all(v["outcome"] == "passed" for k, v in outcomes if k not in accepted), text
 
 
 # -- the vendored wheel ---------------------------------------------------------

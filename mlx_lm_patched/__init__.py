@@ -35,11 +35,11 @@ PATCHES: List[_registry.Patch] = [
     rotating_prealloc.PATCH,
     batch_rotating_prealloc.PATCH,
     bounded_attention.PATCH,
+    prompt_cache_files.PATCH,
     quantized_cache.PATCH,
     max_kv_size.PATCH,
     quantized_ring.PATCH,
     batch_quantized.PATCH,
-    prompt_cache_files.PATCH,
 ]
 
 

@@ -388,22 +388,10 @@ def prompt_cache_to_host(
 
 def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
     """The prompt cache ``prompt_cache_to_host`` copied, bit for bit."""
-    arrays = {}
-    for k, a in host.arrays.items():
-        arrays[k] = mx.array(a).view(getattr(mx, host.dtypes[k]))
-    metadata, classes, scalars = tree_unflatten(list(host.metadata.items()))
-    for pos, type in scalars[1:]:
-        array = arrays[pos]
-        if type == "scalar":
-            arrays[pos] = array.item()
-        elif type == "string":
-            arrays[pos] = "".join(chr(i) for i in array.tolist())
-        elif type == "none":
-            arrays[pos] = None
-        else:
-            raise ValueError(f"[prompt_cache_from_host] Unknown type {type}")
-    arrays = tree_unflatten(list(arrays.items()))
-    cache = [globals()[c].from_state(state) for c, state in zip(classes, arrays)]
+    arrays = {
+        k: mx.array(a).view(getattr(mx, host.dtypes[k])) for k, a in host.arrays.items()
+    }
+    cache, metadata = _prompt_cache_from_arrays(arrays, host.metadata, "host snapshot")
     if return_metadata:
         return cache, metadata
     return cache
@@ -459,4 +447,5 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
     ),
+    requires=("prompt_cache_files",),
 )

@@ -90,34 +90,20 @@ class QuantizedRotatingKVCache:
         self.values = tuple(ring(n, o) for n, o in zip(values, old_v))
 
     def _update_past_ring(self, keys, values):
-        """A multi-token update past the ring: attention sees the last
+        """``RotatingKVCache._update_past_ring`` on each quantized part, which
+        is a ring of that layout itself: attention sees the last
         ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
-        n = min(self.offset, self.max_size)
-        m = min(n, self.max_size - 1)
-        keep = min(self.keep, n)
-        ring = list(range(self._idx, n)) + list(range(keep, self._idx))
-        order = mx.array(list(range(keep)) + ring[len(ring) - (m - keep) :], mx.int32)
-        seen = [
-            tuple(mx.concatenate([c[..., order, :], x], axis=2) for c, x in zip(*p))
-            for p in ((self.keys, keys), (self.values, values))
-        ]
-        # Done reading the ring: evaluate now so the writes below reuse its buffer.
-        mx.eval(seen)
-        S = keys[0].shape[2]
-        start = m + S - self.max_size + self.keep
-        for name, new in zip(("keys", "values"), seen):
-            parts = getattr(self, name)
-            if self.offset < self.keep:
-                parts = [
-                    _put(c, x[..., : self.keep, :], [0]) for c, x in zip(parts, new)
-                ]
-            parts = [
-                _put(c, x[..., start:, :], [self.keep]) for c, x in zip(parts, new)
-            ]
-            setattr(self, name, tuple(parts))
-        self.offset += S
+        parts, seen = [], []
+        for k_ring, v_ring, k, v in zip(self.keys, self.values, keys, values):
+            ring = RotatingKVCache(self.max_size, self.keep)
+            ring.keys, ring.values = k_ring, v_ring
+            ring.offset, ring._idx = self.offset, self._idx
+            seen.append(ring._update_past_ring(k, v))
+            parts.append((ring.keys, ring.values))
+        self.keys, self.values = (tuple(p) for p in zip(*parts))
+        self.offset += keys[0].shape[2]
         self._idx = self.max_size
-        return tuple(seen)
+        return tuple(zip(*seen))
 
     def update_and_fetch(self, keys, values):
         B, H, S, _ = keys.shape

@@ -12,7 +12,7 @@ import pytest
 
 import mlx_lm_patched
 from mlx_lm_patched.bench import __main__ as bench
-from mlx_lm_patched.bench import memory
+from mlx_lm_patched.bench import memory, soak
 
 # 3 layers, ring of 300: upstream grows 40 -> 296 -> 300 during decode.
 TINY = (
@@ -39,6 +39,7 @@ TARGETS = {
     "median_le_upstream",
     "worst_le_3x_median",
 }
+HEADER = ["benchmark", "device", "mlx", "mlx_lm", "patches"]
 HAS_RING_PATCH = any(p.name == "rotating_prealloc" for p in mlx_lm_patched.PATCHES)
 
 
@@ -53,6 +54,7 @@ def result(tmp_path_factory):
 
 def test_json_has_every_scenario_side_and_target(result):
     assert json.loads(json.dumps(result)) == result
+    assert list(result)[:5] == HEADER
     assert set(result["scenarios"]) == {"a", "b", "c"}
     for r in result["scenarios"].values():
         for side in ("upstream", "patched"):
@@ -133,6 +135,18 @@ def test_memory_method_counts_the_same_reallocations_as_pointer():
         assert p == m
 
 
+def test_soak_writes_to_out_the_json_it_prints(tmp_path, capsys):
+    path = tmp_path / "soak.json"
+    tiny = "--steps 20 --sample 10 --prefill 16 --layers 1 --heads 2 --head-dim 64 "
+    tiny += f"--max-size 32 --pool 4 --out {path}"
+    out = soak.main(tiny.split())
+    printed = capsys.readouterr().out
+    assert path.read_text() == printed
+    assert json.loads(printed) == out
+    assert list(out)[:5] == HEADER
+    assert set(out["scenarios"]) == {"rotating", "quantized", "quantized_ring"}
+
+
 def test_dispatch_knows_every_command_and_refuses_others(capsys):
     assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "all"}
     assert bench.main(["nonsense"]) == 2
@@ -146,6 +160,7 @@ def test_e2e_tiny_model_runs_every_cache():
     tiny += "--vocab 100 --prompt 300 --chunk 128 --max-size 128 --decode 8 "
     tiny += "--rounds 1 --device cpu --only rotating_prealloc"
     out = e2e.main(tiny.split())
+    assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
     for side in ("upstream", "patched", "kvcache", "only_rotating_prealloc"):
         assert out[side]["decode_tokens"] == 8

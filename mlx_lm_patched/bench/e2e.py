@@ -17,10 +17,8 @@ No files: the weights are made on the device.
 import argparse
 import functools
 import gc
-import json
 import sys
 import time
-from importlib.metadata import version
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +27,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_lm_patched
+
+from . import emit, header, parse_args
 
 
 def build_model(args):
@@ -161,9 +161,7 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.device:
-        mx.set_default_device(getattr(mx, args.device))
+    args = parse_args(build_parser(), argv)
     model = build_model(args)
     gc.collect()
     mx.clear_cache()
@@ -171,11 +169,7 @@ def main(argv=None):
     prompt = mx.random.randint(0, args.vocab, (args.prompt,))
     mx.eval(prompt)
     result = {
-        "benchmark": "e2e",
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "mlx_lm": version("mlx-lm"),
-        "patches": [p.name for p in mlx_lm_patched.PATCHES],
+        **header("e2e", [p.name for p in mlx_lm_patched.PATCHES]),
         "config": vars(args),
         "weights_bytes": weights,
     }
@@ -201,11 +195,7 @@ def main(argv=None):
         result[name]["decode_tok_s_by_round"] = [o["decode_tok_s"] for o in outs]
         result[name] = {k: _plain(v) for k, v in result[name].items()}
     mlx_lm_patched.apply()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return result
 
 

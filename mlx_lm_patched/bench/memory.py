@@ -27,16 +27,16 @@ transient reaches one layer's keys + values (``memory``).
 
 import argparse
 import gc
-import json
 import sys
 import time
-from importlib.metadata import version
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 import mlx_lm_patched
+
+from . import emit, header, parse_args
 
 SCENARIOS = {
     "a": "RotatingKVCache: prefill, then decode",
@@ -336,23 +336,16 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if args.device:
-        mx.set_default_device(getattr(mx, args.device))
+    args = parse_args(build_parser(), argv)
     device = mx.default_device()
     if args.realloc_method == "auto":
         args.realloc_method = "pointer" if device == mx.cpu else "memory"
     args.dtype = getattr(mx, args.dtype)
     token_bytes = 2 * args.layers * args.heads * args.head_dim * args.dtype.size
+    patches = [p.name for p in mlx_lm_patched.PATCHES]
     result = {
-        "benchmark": "memory",
-        "device": str(device),
-        "mlx": mx.__version__,
-        "mlx_lm": version("mlx-lm"),
-        "patches": [p.name for p in mlx_lm_patched.PATCHES],
-        "rotating_prealloc": any(
-            p.name == "rotating_prealloc" for p in mlx_lm_patched.PATCHES
-        ),
+        **header("memory", patches),
+        "rotating_prealloc": "rotating_prealloc" in patches,
         "geometry": {
             k: getattr(args, k)
             for k in ("layers", "heads", "head_dim", "max_size", "keep", "batch")
@@ -368,11 +361,7 @@ def main(argv=None):
     result["all_targets_met"] = all(
         all(r["targets"].values()) for r in result["scenarios"].values()
     )
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     if args.png:
         plot(traces, args.png)
     return result

@@ -21,7 +21,6 @@ patch is applied again, in one process.
 
 import argparse
 import gc
-import json
 import time
 from importlib.metadata import version
 
@@ -32,6 +31,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
+
+from . import emit
 
 
 def active():
@@ -236,7 +237,7 @@ def main(argv=None):
         mx.set_cache_limit(limit)
         if not was_applied:
             mlx_lm_patched.revert("quantized_cache")
-    print(json.dumps(result, indent=2))
+    emit(result, indent=2)
     return result
 
 

@@ -23,9 +23,7 @@ sample exceeds ``first`` and nothing was reallocated.
 """
 
 import argparse
-import json
 import time
-from importlib.metadata import version
 
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention
@@ -33,6 +31,7 @@ from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
 import mlx_lm_patched
 
+from . import emit, header
 from .memory import pointer
 
 
@@ -152,12 +151,9 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     args.dtype = getattr(mx, args.dtype)
+    applied = [n for n, s in mlx_lm_patched.status().items() if s["applied"]]
     result = {
-        "benchmark": "soak",
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "mlx_lm": version("mlx-lm"),
-        "patches": [n for n, s in mlx_lm_patched.status().items() if s["applied"]],
+        **header("soak", applied),
         "geometry": {
             k: getattr(args, k)
             for k in ("layers", "heads", "head_dim", "max_size", "keep", "prefill")
@@ -168,11 +164,7 @@ def main(argv=None):
     }
     ran = [r for r in result["scenarios"].values() if "skipped" not in r]
     result["all_flat"] = all(r["flat"] for r in ran)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return result
 
 

@@ -32,6 +32,27 @@ from ._registry import Patch, Target, class_patch, get_original, pasted_into, so
 from .quantized_ring import cache_class
 
 
+def _quantized_like(caches):
+    """``caches`` with the unquantized ones quantized like the first quantized
+    one, and that one's group size and bits."""
+    quantized = [c for c in caches if hasattr(c, "bits")]
+    group_size, bits = quantized[0].group_size, quantized[0].bits
+    caches = [
+        c if hasattr(c, "bits") else c.to_quantized(group_size, bits) for c in caches
+    ]
+    return caches, group_size, bits
+
+
+def _check_layouts(caches, what):
+    """Raise unless ``caches`` share group size, bits and head dims; ``what``
+    (``"BatchQuantizedKVCache can only merge caches"``) begins the message."""
+    layouts = {(c.group_size, c.bits, tuple(c.head_dims)) for c in caches}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"{what} of the same group size, bits and head dims, got {sorted(layouts)}"
+        )
+
+
 # Written as it would read in mlx_lm/models/cache.py, and run there.
 class BatchQuantizedKVCache:
     # ``BatchKVCache``'s layout (its ``prepare``, ``trim``, ``make_mask`` and
@@ -168,16 +189,10 @@ class BatchQuantizedKVCache:
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         full = self if self.keys is not None else other
-        layouts = {
-            (c.group_size, c.bits, c.head_dims)
-            for c in (self, other)
-            if c.keys is not None
-        }
-        if len(layouts) > 1:
-            raise ValueError(
-                "BatchQuantizedKVCache can only extend with a cache of the same "
-                f"group size, bits and head dims, got {sorted(layouts)}"
-            )
+        _check_layouts(
+            [c for c in (self, other) if c.keys is not None],
+            "BatchQuantizedKVCache can only extend with a cache",
+        )
         max_idx = max(self._idx, other._idx)
 
         # Right-justify both at ``max_idx`` columns.
@@ -219,23 +234,13 @@ class BatchQuantizedKVCache:
 
     @classmethod
     def merge(cls, caches):
-        quantized = [c for c in caches if hasattr(c, "bits")]
-        group_size, bits = quantized[0].group_size, quantized[0].bits
-        caches = [
-            c if hasattr(c, "bits") else c.to_quantized(group_size, bits)
-            for c in caches
-        ]
+        caches, group_size, bits = _quantized_like(caches)
         lengths = [c.size() for c in caches]
         max_length = max(lengths)
         if max_length == 0:
             return cls([0] * len(caches), group_size, bits)
         full = [c for c in caches if c.size() > 0]
-        layouts = {(c.group_size, c.bits, tuple(c.head_dims)) for c in full}
-        if len(layouts) > 1:
-            raise ValueError(
-                "BatchQuantizedKVCache can only merge caches of the same group "
-                f"size, bits and head dims, got {sorted(layouts)}"
-            )
+        _check_layouts(full, "BatchQuantizedKVCache can only merge caches")
 
         padding = [max_length - l for l in lengths]
         cache = cls(padding, full[0].group_size, full[0].bits)
@@ -338,16 +343,10 @@ class BatchQuantizedRotatingKVCache:
         """
         if not hasattr(other, "bits"):
             other = other.to_quantized(self.group_size, self.bits)
-        layouts = {
-            (c.group_size, c.bits, c.head_dims)
-            for c in (self, other)
-            if c.keys is not None
-        }
-        if len(layouts) > 1:
-            raise ValueError(
-                "BatchQuantizedRotatingKVCache can only extend with a cache of the "
-                f"same group size, bits and head dims, got {sorted(layouts)}"
-            )
+        _check_layouts(
+            [c for c in (self, other) if c.keys is not None],
+            "BatchQuantizedRotatingKVCache can only extend with a cache",
+        )
         BatchRotatingKVCache.extend(self, other)
         if self.head_dims is None:
             self.group_size, self.bits = other.group_size, other.bits
@@ -372,19 +371,9 @@ class BatchQuantizedRotatingKVCache:
 
     @classmethod
     def merge(cls, caches):
-        quantized = [c for c in caches if hasattr(c, "bits")]
-        group_size, bits = quantized[0].group_size, quantized[0].bits
-        caches = [
-            c if hasattr(c, "bits") else c.to_quantized(group_size, bits)
-            for c in caches
-        ]
+        caches, group_size, bits = _quantized_like(caches)
         full = [c for c in caches if c.keys is not None]
-        layouts = {(c.group_size, c.bits, tuple(c.head_dims)) for c in full}
-        if len(layouts) > 1:
-            raise ValueError(
-                "BatchQuantizedRotatingKVCache can only merge caches of the same "
-                f"group size, bits and head dims, got {sorted(layouts)}"
-            )
+        _check_layouts(full, "BatchQuantizedRotatingKVCache can only merge caches")
         # Each row as a RotatingKVCache of packed tokens, merged as those are.
         rows = []
         for c in caches:
@@ -688,6 +677,13 @@ PATCH = Patch(
     "BatchQuantizedKVCache: batched quantized caches; BatchGenerator, "
     "batch_generate and the server take kv_bits",
     [
+        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
+        for name, f in (
+            ("_quantized_like", _quantized_like),
+            ("_check_layouts", _check_layouts),
+        )
+    ]
+    + [
         Target(
             "mlx_lm.models.cache", "BatchQuantizedKVCache", BatchQuantizedKVCache, None
         ),

@@ -56,6 +56,21 @@ def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):
     return 32, width, width
 
 
+def _kv_quantize(keys, values, group_size, bits):
+    """``(group_size, keys, values)``: the group size in use and the
+    ``mx.quantize`` parts of ``keys`` and ``values``, their head dims
+    zero-padded as ``_kv_quant_layout`` says."""
+    group_size, k_width, v_width = _kv_quant_layout(
+        keys.shape[3], values.shape[3], group_size, bits
+    )
+    out = []
+    for x, width in ((keys, k_width), (values, v_width)):
+        if width > x.shape[3]:
+            x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - x.shape[3])])
+        out.append(mx.quantize(x, group_size=group_size, bits=bits))
+    return group_size, *out
+
+
 class _QuantizedKVCache:
     def __init__(self, group_size: int = 64, bits: int = 8):
         # keys, values: (packed, scales, biases), each (B, H, capacity, ...);
@@ -93,14 +108,9 @@ class _QuantizedKVCache:
                 f"got keys {keys.shape} {dtype} and values {values.shape} "
                 f"{values.dtype}"
             )
-        group_size, k_width, v_width = _kv_quant_layout(
-            k_head_dim, v_head_dim, self.group_size, self.bits
+        group_size, keys, values = _kv_quantize(
+            keys, values, self.group_size, self.bits
         )
-        if k_width > k_head_dim:
-            keys = mx.pad(keys, [(0, 0), (0, 0), (0, 0), (0, k_width - k_head_dim)])
-            values = mx.pad(values, [(0, 0), (0, 0), (0, 0), (0, v_width - v_head_dim)])
-        keys = mx.quantize(keys, group_size=group_size, bits=self.bits)
-        values = mx.quantize(values, group_size=group_size, bits=self.bits)
         prev = self.offset
         end = prev + num_steps
 
@@ -398,6 +408,7 @@ def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
 
 
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
+_kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
 prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
 prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
 quantized_scaled_dot_product_attention = pasted_into(
@@ -411,6 +422,7 @@ PATCH = Patch(
     "host export, bit-exact save/load, any head dim",
     [
         Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
+        Target("mlx_lm.models.cache", "_kv_quantize", _kv_quantize, None),
         Target("mlx_lm.models.cache", "HostPromptCache", HostPromptCache, None),
         Target(
             "mlx_lm.models.cache", "prompt_cache_to_host", prompt_cache_to_host, None

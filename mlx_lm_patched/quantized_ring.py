@@ -33,7 +33,7 @@ def cache_class(namespace, *bases):
 
 
 # Written as it would read in mlx_lm/models/cache.py, and run there:
-# ``_put`` is rotating_prealloc's, ``_kv_quant_layout`` quantized_cache's.
+# ``_put`` is rotating_prealloc's, ``_kv_quantize`` quantized_cache's.
 class QuantizedRotatingKVCache:
     # The ring of the patched ``RotatingKVCache``: ``max_size`` slots,
     # ``offset``, ``_idx`` and ``keep`` with the same meaning, so its
@@ -64,18 +64,13 @@ class QuantizedRotatingKVCache:
                 f"QuantizedRotatingKVCache holds head dims {tuple(self.head_dims)}, "
                 f"got {dims}"
             )
-        group_size, k_width, v_width = _kv_quant_layout(
-            *dims, self.group_size, self.bits
+        dtype = str(keys.dtype).rpartition(".")[2]
+        group_size, keys, values = _kv_quantize(
+            keys, values, self.group_size, self.bits
         )
         if self.head_dims is None:
-            self.group_size, self.head_dims = group_size, dims
-            self.dtype = str(keys.dtype).rpartition(".")[2]
-        out = []
-        for x, width in ((keys, k_width), (values, v_width)):
-            if width > x.shape[3]:
-                x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - x.shape[3])])
-            out.append(tuple(mx.quantize(x, group_size=group_size, bits=self.bits)))
-        return out
+            self.group_size, self.head_dims, self.dtype = group_size, dims, dtype
+        return [tuple(keys), tuple(values)]
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in the live slots of a loaded state."""

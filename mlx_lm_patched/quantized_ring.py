@@ -49,12 +49,11 @@ class QuantizedRotatingKVCache:
         self.offset = 0
         self.max_size = max_size
         self._idx = 0
-        # As asked until the first update, then the one in use (see
-        # _kv_quant_layout); head dims wider than head_dims are zero padding.
+        # As in QuantizedKVCache (see its __init__).
         self.group_size = group_size
         self.bits = bits
-        self.dtype = None  # name of the quantized keys' dtype, e.g. "bfloat16"
-        self.head_dims = None  # (k_head_dim, v_head_dim) before padding
+        self.dtype = None
+        self.head_dims = None
 
     def _quantize(self, keys, values):
         """``keys`` and ``values`` quantized (and padded) as the ring holds them."""

@@ -196,13 +196,19 @@ def test_an_update_with_another_batch_size_raises_and_changes_nothing():
     assert cache._offset == 3 and cache.offset.tolist() == [3, 3]
 
 
-# End to end: batch_generate on mlx-lm's gemma3_text with sliding layers.
+# End to end: batch_generate on mlx-lm's models.
+
+
+def random_prompt(n):
+    # Fixed, whatever ran before: batched rows attend through masks and
+    # padding, so a prompt whose logits nearly tie could flip a row by an ulp.
+    return mx.random.randint(0, 512, (n,), key=mx.random.key(n)).tolist()
 
 
 def test_batch_generate_matches_upstream_and_single_streams(load_tiny, patched):
     """gemma3_text's sliding layers (window 64) batch as BatchRotatingKVCache."""
     model, tokenizer = load_tiny("gemma3_text")
-    prompts = [mx.random.randint(0, 512, (n,)).tolist() for n in (40, 150, 300)]
+    prompts = [random_prompt(n) for n in (40, 150, 300)]
 
     def run():
         result = batch_generate(
@@ -229,7 +235,7 @@ def test_batched_rows_with_keep_equal_their_single_streams(load_tiny, patched):
     """qwen3 has no make_cache: ``max_kv_size`` gives RotatingKVCache(keep=4),
     which upstream's batch cache ignores (its rows diverge)."""
     model, tokenizer = load_tiny("qwen3")
-    prompts = [mx.random.randint(0, 512, (n,)).tolist() for n in (40, 150, 300)]
+    prompts = [random_prompt(n) for n in (40, 150, 300)]
 
     def run():
         batch = batch_generate(

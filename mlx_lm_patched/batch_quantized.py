@@ -385,6 +385,8 @@ class BatchQuantizedRotatingKVCache:
         cache = BatchRotatingKVCache.merge.__func__(cls, rows)
         cache.group_size, cache.bits = group_size, bits
         if full:
+            # The group size in use, which an empty cache has not chosen yet.
+            cache.group_size = full[0].group_size
             cache.dtype, cache.head_dims = full[0].dtype, tuple(full[0].head_dims)
         return cache
 

@@ -349,9 +349,6 @@ def test_quantized_batch_equals_the_fp_batch_fed_the_quantized_tokens(
     attention is handed exactly its tokens, and every real query of every row
     attends as it does over the fp batch."""
     ring, max_size, keep, lengths, ops = session
-    # Left to the xfail test below until BatchQuantizedRotatingKVCache.merge
-    # takes the group size a cache holding tokens resolved.
-    assume(not (ring and lengths[0] == 0 and layout.dim % layout.group_size))
     mx.random.seed(seed)
     twins = Twins(ring, layout, max_size, keep, lengths)
     for op, n in ops:
@@ -375,13 +372,6 @@ def test_quantized_batch_equals_the_fp_batch_fed_the_quantized_tokens(
         twins.check_state()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchQuantizedRotatingKVCache.merge labels the batch with the first "
-    "cache's requested group size even when that cache is empty: with head dim "
-    "96 and group size 64 (resolved to 32 by the rows with tokens) attention "
-    "and extract raise",
-)
 def test_merge_of_quantized_rings_takes_the_group_size_the_tokens_use():
     layout = Layout(64, 4, 96, "float32")
     mx.random.seed(0)

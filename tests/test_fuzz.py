@@ -121,25 +121,31 @@ def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session,
 # BatchRotatingKVCache, through the ``Rows`` harness
 
 
-@st.composite
-def batch_sessions(draw):
-    max_size = draw(st.sampled_from([4, 6, 8, 16]))
-    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size - 1]))
-    lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
+def batch_ops(max_size, extend_from=1, trim=False):
+    """One batch operation and its argument, for a batch ring of ``max_size``."""
     S = st.one_of(
         st.integers(2, 2 * max_size),
         st.sampled_from([max_size - 1, max_size, max_size + 1]),
     )
-    op = st.one_of(
+    return st.one_of(
         st.tuples(st.just("decode"), st.just(1)),
         st.tuples(st.just("chunk"), S),
         st.tuples(st.just("padded"), S),
         st.tuples(st.just("extract"), st.integers(0, 5)),
         st.tuples(st.just("filter"), st.integers(1, 7)),
-        st.tuples(st.just("extend"), st.integers(1, 2 * max_size)),
+        st.tuples(st.just("extend"), st.integers(extend_from, 2 * max_size)),
+        *([st.tuples(st.just("trim"), st.integers(0, max_size))] if trim else []),
         st.tuples(st.just("save_load"), st.just(0)),
     )
-    return max_size, keep, lengths, draw(st.lists(op, min_size=1, max_size=12))
+
+
+@st.composite
+def batch_sessions(draw):
+    max_size = draw(st.sampled_from([4, 6, 8, 16]))
+    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size - 1]))
+    lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
+    ops = draw(st.lists(batch_ops(max_size), min_size=1, max_size=12))
+    return max_size, keep, lengths, ops
 
 
 @fuzz

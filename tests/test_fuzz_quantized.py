@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 from ringref import attend, random_kv, reference_mask
-from test_fuzz import dequantized, fuzz, save_load
+from test_fuzz import batch_ops, dequantized, fuzz, save_load
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -244,7 +244,15 @@ class Twins:
         assert same(fmask, qmask)
         fkv = snapshot(self.fp.update_and_fetch(rk, rv))
         qkv = snapshot(self.q.update_and_fetch(k, v))
-        assert same([self.layout.tokens(self.q, p) for p in qkv], fkv)
+        got = [self.layout.tokens(self.q, p) for p in qkv]
+        if not self.ring:
+            # BatchKVCache's columns left of a row's padding are masked out,
+            # whatever they hold: finalize rolls the whole buffer, and the
+            # two caches' capacities differ.
+            real = mx.arange(fkv[0].shape[2]) >= self.fp.left_padding[:, None]
+            real = real[:, None, :, None]
+            got, fkv = ([mx.where(real, x, 0) for x in kv] for kv in (got, fkv))
+        assert same(got, fkv)
         got, want = self.layout.attention(queries, self.q, qkv, qmask, fkv, fmask)
         for c in (self.fp, self.q):
             c.finalize()
@@ -315,20 +323,7 @@ def batch_sessions(draw):
     max_size = draw(st.sampled_from([4, 6, 8, 16]))
     keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size - 1]))
     lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
-    S = st.one_of(
-        st.integers(2, 2 * max_size),
-        st.sampled_from([max_size - 1, max_size, max_size + 1]),
-    )
-    op = st.one_of(
-        st.tuples(st.just("decode"), st.just(1)),
-        st.tuples(st.just("chunk"), S),
-        st.tuples(st.just("padded"), S),
-        st.tuples(st.just("extract"), st.integers(0, 5)),
-        st.tuples(st.just("filter"), st.integers(1, 7)),
-        st.tuples(st.just("extend"), st.integers(0, 2 * max_size)),
-        st.tuples(st.just("trim"), st.integers(0, max_size)),
-        st.tuples(st.just("save_load"), st.just(0)),
-    )
+    op = batch_ops(max_size, extend_from=0, trim=True)
     ops = draw(st.lists(op, min_size=1, max_size=12))
     return ring, max_size, keep if ring else 0, lengths, ops
 

@@ -51,6 +51,7 @@ check-upstream: venv
 
 fuzz: venv
 	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q tests/test_fuzz.py \
+		tests/test_fuzz_quantized.py \
 		--hypothesis-show-statistics
 
 soak: venv

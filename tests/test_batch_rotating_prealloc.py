@@ -23,8 +23,9 @@ H, D = 2, 4
 class Rows:
     """A batch cache and, beside it, every real token of each row."""
 
-    def __init__(self, max_size, lengths, keep=0):
+    def __init__(self, max_size, lengths, keep=0, window=None):
         self.max_size, self.keep, self.history, singles = max_size, keep, [], []
+        self.window = window  # a model's window_size, below max_size
         for n in lengths:
             single = RotatingKVCache(max_size, keep)
             k, v = random_kv(1, H, n, D)
@@ -43,7 +44,7 @@ class Rows:
             self.cache.prepare(lengths=lengths, right_padding=[S - n for n in lengths])
         k, v = random_kv(B, H, S, D)
         q = mx.random.normal((B, H, S, D))
-        mask = self.cache.make_mask(S)
+        mask = self.cache.make_mask(S, window_size=self.window)
         out = attend(q, *self.cache.update_and_fetch(k, v), mask)
         self.cache.finalize()
         ok = True
@@ -53,7 +54,8 @@ class Rows:
             hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
             hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
             self.history[b] = (hk, hv)
-            mask = reference_mask(offset, n, self.max_size, self.keep)
+            window = self.window or self.max_size
+            mask = reference_mask(offset, n, window, self.keep)
             ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
             ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
         return ok
@@ -62,9 +64,11 @@ class Rows:
         single, (hk, hv) = self.cache.extract(b), self.history[b]
         k, v = random_kv(1, H, 1, D)
         q = mx.random.normal((1, H, 1, D))
-        out = attend(q, *single.update_and_fetch(k, v), single.make_mask(1))
+        mask = single.make_mask(1, window_size=self.window)
+        out = attend(q, *single.update_and_fetch(k, v), mask)
         hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
-        mask = reference_mask(hk.shape[2] - 1, 1, self.max_size, self.keep)
+        window = self.window or self.max_size
+        mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
         ref = attend(q, hk, hv, mask)
         return mx.allclose(out, ref, atol=1e-5).item()
 
@@ -73,16 +77,16 @@ class Rows:
         self.history = [self.history[i] for i in rows]
 
     def extend(self, n):
-        other = Rows(self.max_size, [n], self.keep)
+        other = Rows(self.max_size, [n], self.keep, self.window)
         self.cache.extend(other.cache)
         self.history += other.history
 
 
-def random_session(rng, keep=0):
+def random_session(rng, keep=0, window=False):
     """Apply random batch operations; return the first that fails, or None."""
     max_size = rng.choice([6, 8, 16])
     lengths = [rng.randint(0, 2 * max_size) for _ in range(rng.randint(1, 3))]
-    rows = Rows(max_size, lengths, keep)
+    rows = Rows(max_size, lengths, keep, max_size - 2 if window else None)
     log = [("merge", [h[0].shape[2] for h in rows.history])]
     for _ in range(rng.randint(1, 12)):
         op = rng.choice(
@@ -111,10 +115,13 @@ def random_session(rng, keep=0):
 
 
 @pytest.mark.parametrize("keep", [0, 1, 4])
-def test_every_row_sees_its_own_window_through_random_batch_operations(patched, keep):
+@pytest.mark.parametrize("window", [False, True])
+def test_every_row_sees_its_own_window_through_random_batch_operations(
+    patched, keep, window
+):
     rng = random.Random(keep)
-    failures = [f for f in (random_session(rng, keep) for _ in range(150)) if f]
-    assert failures == []
+    sessions = (random_session(rng, keep, window) for _ in range(150))
+    assert [f for f in sessions if f] == []
 
 
 def test_upstream_rows_do_not_always_see_their_window(upstream):

@@ -5,8 +5,12 @@ The reference keeps every token and admits, for a query at absolute position
 what a ring of ``window`` slots fed token by token holds.
 """
 
+import os
+import tempfile
+
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from mlx_lm_patched import _registry
 
@@ -37,6 +41,14 @@ def reference_mask(offset, N, window, keep=0):
     q = mx.arange(offset, offset + N)[:, None]
     k = mx.arange(offset + N)[None]
     return (k <= q) & ((k < keep) | (k > q - (window - keep)))
+
+
+def save_load(cache):
+    """``cache`` through ``save_prompt_cache`` and ``load_prompt_cache``."""
+    with tempfile.TemporaryDirectory() as d:
+        save_prompt_cache(os.path.join(d, "c.safetensors"), [cache])
+        (cache,) = load_prompt_cache(os.path.join(d, "c.safetensors"))
+    return cache
 
 
 def random_kv(*shape):

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     save_prompt_cache,
 )
-from ringref import attend, buffers_through, random_kv, reference_mask
+from ringref import attend, buffers_through, random_kv, reference_mask, save_load
 
 import mlx_lm_patched
 
@@ -71,6 +71,13 @@ class Rows:
         mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
         ref = attend(q, hk, hv, mask)
         return mx.allclose(out, ref, atol=1e-5).item()
+
+    @property
+    def B(self):
+        return len(self.history)
+
+    def save_load(self):
+        self.cache = save_load(self.cache)
 
     def filter(self, rows):
         self.cache.filter(mx.array(rows))

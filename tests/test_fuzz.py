@@ -8,7 +8,6 @@ CI runs a few examples per test; ``make fuzz`` runs
 """
 
 import os
-import tempfile
 
 import mlx.core as mx
 import pytest
@@ -19,10 +18,8 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    load_prompt_cache,
-    save_prompt_cache,
 )
-from ringref import attend, random_kv, reference_mask, upstream_twin
+from ringref import attend, random_kv, reference_mask, save_load, upstream_twin
 from test_batch_rotating_prealloc import Rows
 
 from mlx_lm_patched import quantized_cache, rotating_prealloc
@@ -42,13 +39,6 @@ def same(a, b):
     if isinstance(a, mx.array) and isinstance(b, mx.array):
         return a.shape == b.shape and mx.array_equal(a, b).item()
     return type(a) is type(b) and a == b
-
-
-def save_load(cache):
-    with tempfile.TemporaryDirectory() as d:
-        save_prompt_cache(os.path.join(d, "c.safetensors"), [cache])
-        (cache,) = load_prompt_cache(os.path.join(d, "c.safetensors"))
-    return cache
 
 
 # RotatingKVCache
@@ -139,6 +129,29 @@ def batch_ops(max_size, extend_from=1, trim=False):
     )
 
 
+def apply_batch_op(harness, op, n, rng):
+    """Run one ``batch_ops`` operation on ``harness`` (``Rows`` or the
+    quantized fuzz's ``Twins``); False if a real query attended wrongly."""
+    B = harness.B
+    if op in ("decode", "chunk"):
+        return harness.check(n)
+    if op == "padded":
+        padded = [n] + [rng.randint(1, n) for _ in range(B - 1)]
+        rng.shuffle(padded)
+        return harness.check(n, padded)
+    if op == "extract":
+        return harness.check_extract(n % B)
+    if op == "filter":
+        harness.filter([b for b in range(B) if n >> b & 1] or [B - 1])
+    elif op == "extend":
+        harness.extend(n)
+    elif op == "trim":
+        harness.trim(n)
+    else:
+        harness.save_load()
+    return True
+
+
 @st.composite
 def batch_sessions(draw):
     max_size = draw(st.sampled_from([4, 6, 8, 16]))
@@ -160,22 +173,7 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
     mx.random.seed(seed)
     rows = Rows(max_size, lengths, keep)
     for op, n in ops:
-        B = len(rows.history)
-        if op in ("decode", "chunk"):
-            assert rows.check(n)
-        elif op == "padded":
-            padded = [n] + [rng.randint(1, n) for _ in range(B - 1)]
-            rng.shuffle(padded)
-            assert rows.check(n, padded)
-        elif op == "extract":
-            assert rows.check_extract(n % B)
-        elif op == "filter":
-            keep_rows = [b for b in range(B) if n >> b & 1] or [B - 1]
-            rows.filter(keep_rows)
-        elif op == "extend":
-            rows.extend(n)
-        else:
-            rows.cache = save_load(rows.cache)
+        assert apply_batch_op(rows, op, n, rng)
         assert rows.cache.offset.tolist() == [h[0].shape[2] for h in rows.history]
 
 

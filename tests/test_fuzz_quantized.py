@@ -11,7 +11,7 @@ attention over the fp cache, and the dequantized export. Example count as in
 
 import mlx.core as mx
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import (
@@ -21,8 +21,8 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
-from ringref import attend, random_kv, reference_mask
-from test_fuzz import batch_ops, dequantized, fuzz, save_load
+from ringref import attend, random_kv, reference_mask, save_load
+from test_fuzz import apply_batch_op, batch_ops, dequantized, fuzz
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -231,7 +231,7 @@ class Twins:
             masks = [c.make_mask(N, return_array=True) for c in (self.fp, self.q)]
             assert same(*masks)
 
-    def update(self, S, lengths=None):
+    def check(self, S, lengths=None):
         """One update of ``S`` columns (rows with ``lengths`` right-padded);
         True if every real query attends in both as in the fp cache."""
         lengths = lengths or [S] * self.B
@@ -261,7 +261,7 @@ class Twins:
             for b, n in enumerate(lengths)
         )
 
-    def extract(self, b):
+    def check_extract(self, b):
         """Row ``b`` on its own: the dequantized export equals the fp row,
         and a decode step on both attends alike."""
         if self.fp.keys is None:  # upstream BatchKVCache cannot extract then
@@ -347,23 +347,7 @@ def test_quantized_batch_equals_the_fp_batch_fed_the_quantized_tokens(
     mx.random.seed(seed)
     twins = Twins(ring, layout, max_size, keep, lengths)
     for op, n in ops:
-        B = twins.B
-        if op in ("decode", "chunk"):
-            assert twins.update(n)
-        elif op == "padded":
-            padded = [n] + [rng.randint(1, n) for _ in range(B - 1)]
-            rng.shuffle(padded)
-            assert twins.update(n, padded)
-        elif op == "extract":
-            assert twins.extract(n % B)
-        elif op == "filter":
-            twins.filter([b for b in range(B) if n >> b & 1] or [B - 1])
-        elif op == "extend":
-            twins.extend(n)
-        elif op == "trim":
-            twins.trim(n)
-        else:
-            twins.save_load()
+        assert apply_batch_op(twins, op, n, rng)
         twins.check_state()
 
 
@@ -372,5 +356,5 @@ def test_merge_of_quantized_rings_takes_the_group_size_the_tokens_use():
     mx.random.seed(0)
     twins = Twins(True, layout, 8, 0, [0, 3])
     assert twins.q.group_size == 32
-    assert twins.update(1)
-    assert twins.extract(1)
+    assert twins.check(1)
+    assert twins.check_extract(1)

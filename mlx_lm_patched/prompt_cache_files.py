@@ -8,7 +8,7 @@ loads a file missing a state array into a silently shifted state. Each is
 now a ``ValueError`` naming the file and what is wrong with it.
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import mlx.core as mx
 from mlx.utils import tree_unflatten

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map, tree_reduce, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ._registry import Patch, Target, class_patch, pasted_into

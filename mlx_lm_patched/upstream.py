@@ -737,7 +737,7 @@ def patch_file_text(patch: Patch, diff: str, old: Optional[str]) -> str:
         date = re.search(r"(?m)^Last-Update: (.*)$", old).group(1)
     else:
         date = _today()
-    return text.replace(f"Last-Update: @DATE@", f"Last-Update: {date}", 1)
+    return text.replace("Last-Update: @DATE@", f"Last-Update: {date}", 1)
 
 
 def patch_name(i: int, patch: Patch) -> str:

@@ -6,8 +6,6 @@ A row the current code fails is written as it should pass and marked
 """
 
 import dataclasses
-import json
-import os
 import warnings
 
 import mlx.core as mx

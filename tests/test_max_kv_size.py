@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache

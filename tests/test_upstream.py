@@ -5,7 +5,6 @@ Everything runs against the pinned mlx-lm sdist, downloaded once into
 """
 
 import inspect
-import json
 import logging
 import os
 import shutil

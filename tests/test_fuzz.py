@@ -52,10 +52,11 @@ def ring_sessions(draw):
     window = None if window == max_size else window
     sizes = st.one_of(
         st.integers(1, 2 * max_size),
-        st.sampled_from([1, max_size - 1, max_size, max_size + 1]).filter(bool),
-    )
+        st.sampled_from([1, max_size - 1, max_size, max_size + 1, 2 * max_size]),
+    ).filter(bool)
     ops = st.one_of(
         st.tuples(st.just("update"), sizes),
+        st.tuples(st.just("update"), st.just(1)),
         st.tuples(st.just("trim"), st.integers(0, max_size)),
         st.tuples(st.just("save_load"), st.just(0)),
     )

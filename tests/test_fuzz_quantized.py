@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 from ringref import attend, random_kv, reference_mask, save_load
-from test_fuzz import apply_batch_op, batch_ops, dequantized, fuzz
+from test_fuzz import apply_batch_op, batch_ops, dequantized, fuzz, ring_sessions
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -104,25 +104,6 @@ layouts = st.builds(
 
 
 # QuantizedRotatingKVCache against the patched RotatingKVCache
-
-
-@st.composite
-def ring_sessions(draw):
-    max_size = draw(st.integers(2, 12))
-    keep = draw(st.integers(0, min(4, max_size - 1)))
-    window = draw(st.one_of(st.none(), st.integers(keep + 1, max_size)))
-    window = None if window == max_size else window
-    sizes = st.one_of(
-        st.integers(1, 2 * max_size),
-        st.sampled_from([1, max_size - 1, max_size, max_size + 1, 2 * max_size]),
-    ).filter(bool)
-    ops = st.one_of(
-        st.tuples(st.just("update"), sizes),
-        st.tuples(st.just("update"), st.just(1)),
-        st.tuples(st.just("trim"), st.integers(0, max_size)),
-        st.tuples(st.just("save_load"), st.just(0)),
-    )
-    return max_size, keep, window, draw(st.lists(ops, min_size=1, max_size=16))
 
 
 def check_ring_state(ours, fp, window):

@@ -250,8 +250,9 @@ class BatchRotatingKVCache:
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
         # A row sees its sinks up to its own position, and the real columns
-        # past its sinks among the ``window_size - keep`` newest.
-        window = (window_size or self.max_size) - self.keep
+        # past its sinks among the ``window - keep`` newest; ``window`` is the
+        # model's ``window_size`` capped at the ring, as in RotatingKVCache.
+        window = min(window_size or self.max_size, self.max_size) - self.keep
         columns = self.max_size - self.keep
         n = min(self._offset, columns)
         wraps = N == 1 and self._offset >= columns

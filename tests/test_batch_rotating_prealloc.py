@@ -54,7 +54,7 @@ class Rows:
             hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
             hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
             self.history[b] = (hk, hv)
-            window = self.window or self.max_size
+            window = min(self.window or self.max_size, self.max_size)
             mask = reference_mask(offset, n, window, self.keep)
             ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
             ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
@@ -67,7 +67,7 @@ class Rows:
         mask = single.make_mask(1, window_size=self.window)
         out = attend(q, *single.update_and_fetch(k, v), mask)
         hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
-        window = self.window or self.max_size
+        window = min(self.window or self.max_size, self.max_size)
         mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
         ref = attend(q, hk, hv, mask)
         return mx.allclose(out, ref, atol=1e-5).item()
@@ -89,11 +89,12 @@ class Rows:
         self.history += other.history
 
 
-def random_session(rng, keep=0, window=False):
-    """Apply random batch operations; return the first that fails, or None."""
+def random_session(rng, keep=0, window=None):
+    """Apply random batch operations; return the first that fails, or None.
+    ``window``: the model's window_size minus ``max_size``, or None."""
     max_size = rng.choice([6, 8, 16])
     lengths = [rng.randint(0, 2 * max_size) for _ in range(rng.randint(1, 3))]
-    rows = Rows(max_size, lengths, keep, max_size - 2 if window else None)
+    rows = Rows(max_size, lengths, keep, None if window is None else max_size + window)
     log = [("merge", [h[0].shape[2] for h in rows.history])]
     for _ in range(rng.randint(1, 12)):
         op = rng.choice(
@@ -122,10 +123,12 @@ def random_session(rng, keep=0, window=False):
 
 
 @pytest.mark.parametrize("keep", [0, 1, 4])
-@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("window", [None, -2, 8])
 def test_every_row_sees_its_own_window_through_random_batch_operations(
     patched, keep, window
 ):
+    """``window``: the model's window_size relative to the ring; one larger
+    than the ring (a sliding layer ``max_kv_size`` shrank) is capped at it."""
     rng = random.Random(keep)
     sessions = (random_session(rng, keep, window) for _ in range(150))
     assert [f for f in sessions if f] == []

@@ -5,11 +5,14 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from mlx_lm_patched import max_kv_size
+from mlx_lm_patched import max_kv_size, tiny
+
+PROMPT = " ".join(tiny.TEXT.split()[:60])
 
 
 def make_prompt_cache(model, max_kv_size=None):
@@ -120,23 +123,50 @@ def test_upstream_kv_bytes_grow_past_max_kv_size(upstream, load_tiny):
     assert seen[-1] > ring_bytes(model, 512)
 
 
+def generate_front(model_dir, *args, prompt="The key and value cache"):
+    """``python -m mlx_lm_patched.generate`` on ``model_dir``, finished."""
+    cmd = [sys.executable, "-m", "mlx_lm_patched.generate"]
+    cmd += ["--model", str(model_dir), "--prompt", prompt, "--ignore-chat-template"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+
+
 def test_generate_command_runs_with_max_kv_size(make_tiny_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlx_lm_patched.generate",
-        "--model",
-        str(make_tiny_dir("llama")),
-        "--prompt",
-        "The key and value cache",
-        "--max-tokens",
-        "300",
-        "--max-kv-size",
-        "64",
-        "--ignore-chat-template",
-        "--verbose",
-        "True",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    args = ["--max-tokens", "300", "--max-kv-size", "64", "--verbose", "True"]
+    out = generate_front(make_tiny_dir("llama"), *args)
     assert out.returncode == 0, out.stderr
     assert "Generation: " in out.stdout
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama_sliding"])
+def test_generate_output_does_not_depend_on_prefill_step_size_below_the_window(
+    make_tiny_dir, family
+):
+    """``--max-kv-size 48`` shrinks the sliding layers (window 64) to 48-slot
+    rings: chunked prefill must see the same 48 tokens as decode does."""
+    texts = set()
+    for step in ("1", "16", "2048"):
+        args = ["--max-kv-size", "48", "--prefill-step-size", step]
+        out = generate_front(
+            make_tiny_dir(family), *args, "--max-tokens", "20", prompt=PROMPT
+        )
+        assert out.returncode == 0, out.stderr
+        texts.add(out.stdout.split("==========\n")[1])
+    assert len(texts) == 1, texts
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama_sliding"])
+def test_greedy_tokens_do_not_depend_on_prefill_step_size_below_the_window(
+    patched, load_tiny, family
+):
+    model, _ = load_tiny(family)
+    prompt = mx.random.randint(0, 512, (150,), key=mx.random.key(0))
+
+    def run(step):
+        cache = make_prompt_cache(model, max_kv_size=48)
+        steps = generate_step(
+            prompt, model, max_tokens=40, prompt_cache=cache, prefill_step_size=step
+        )
+        return [int(t) for t, _ in steps]
+
+    one_by_one = run(1)
+    assert run(16) == run(100) == run(2048) == one_by_one

@@ -84,7 +84,7 @@ def check_against_reference(max_size, keep, window, sizes):
             q,
             mx.concatenate(seen_k, axis=2),
             mx.concatenate(seen_v, axis=2),
-            reference_mask(offset, S, window or max_size, keep),
+            reference_mask(offset, S, min(window or max_size, max_size), keep),
         )
         if not mx.allclose(attend(q, keys, values, mask), ref, atol=1e-5).item():
             return False
@@ -100,6 +100,18 @@ def test_attention_equals_an_unbounded_cache_with_a_keep_and_window_mask(keep):
         assert check_against_reference(
             max_size, keep, window, random_updates(rng, max_size)
         )
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_a_window_larger_than_the_ring_is_capped_at_the_ring_in_every_mask(keep):
+    """A sliding layer shrunk below the model's window by ``max_kv_size``:
+    chunks, decode and chunks past the ring all see ``max_size`` tokens, so
+    the chunking does not change what attention sees."""
+    rng = random.Random(keep)
+    for _ in range(60):
+        assert check_against_reference(16, keep, 24, random_updates(rng, 16))
+    assert check_against_reference(16, keep, 24, [40])
+    assert check_against_reference(16, keep, 24, [20, 20])
 
 
 def test_upstream_hides_keep_tokens_from_a_chunk_past_the_ring(upstream):

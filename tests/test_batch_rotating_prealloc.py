@@ -38,26 +38,39 @@ class Rows:
     def check(self, S, lengths=None):
         """One update of ``S`` columns (rows with ``lengths`` right-padded);
         True if every real query's output equals the reference's."""
-        B = len(self.history)
-        lengths = lengths or [S] * B
-        if S not in lengths or min(lengths) < S:
-            self.cache.prepare(lengths=lengths, right_padding=[S - n for n in lengths])
-        k, v = random_kv(B, H, S, D)
-        q = mx.random.normal((B, H, S, D))
-        mask = self.cache.make_mask(S, window_size=self.window)
-        out = attend(q, *self.cache.update_and_fetch(k, v), mask)
+        return self.check_prefill([S], lengths)
+
+    def check_prefill(self, chunks, lengths=None):
+        """``sum(chunks)`` columns in ``chunks``, rows with ``lengths`` real
+        tokens right-padded (prepare, the chunks, finalize, as
+        ``PromptProcessingBatch.prompt`` does); True if every real query's
+        output equals the reference's."""
+        B, total = len(self.history), sum(chunks)
+        lengths = lengths or [total] * B
+        if min(lengths) < total:
+            padding = [total - n for n in lengths]
+            self.cache.prepare(lengths=lengths, right_padding=padding)
+        ok, start = True, 0
+        for S in chunks:
+            k, v = random_kv(B, H, S, D)
+            q = mx.random.normal((B, H, S, D))
+            mask = self.cache.make_mask(S, window_size=self.window)
+            out = attend(q, *self.cache.update_and_fetch(k, v), mask)
+            for b, length in enumerate(lengths):
+                n = min(max(length - start, 0), S)  # real queries in the chunk
+                if n == 0:
+                    continue
+                hk, hv = self.history[b]
+                offset = hk.shape[2]
+                hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
+                hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
+                self.history[b] = (hk, hv)
+                window = min(self.window or self.max_size, self.max_size)
+                mask = reference_mask(offset, n, window, self.keep)
+                ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
+                ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
+            start += S
         self.cache.finalize()
-        ok = True
-        for b, n in enumerate(lengths):
-            hk, hv = self.history[b]
-            offset = hk.shape[2]
-            hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
-            hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
-            self.history[b] = (hk, hv)
-            window = min(self.window or self.max_size, self.max_size)
-            mask = reference_mask(offset, n, window, self.keep)
-            ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
-            ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
         return ok
 
     def check_extract(self, b):
@@ -75,6 +88,10 @@ class Rows:
     @property
     def B(self):
         return len(self.history)
+
+    def room(self):
+        """Columns left until the ring's window is full (0 once it is)."""
+        return max(0, self.max_size - self.keep - self.cache._offset)
 
     def save_load(self):
         self.cache = save_load(self.cache)
@@ -155,6 +172,21 @@ def test_a_chunk_after_wrapped_decode_keeps_the_oldest_in_window_token(patched):
     rows = Rows(8, [1, 7])
     assert all(rows.check(1) for _ in range(2))
     assert not rows.check(3)
+
+
+@pytest.mark.parametrize(
+    "chunks, lengths", [([4, 2], [2, 6]), ([2, 2, 3], [1, 7]), ([2, 2, 4], [3, 8])]
+)
+def test_right_padded_prefill_past_an_exactly_full_ring_keeps_short_rows_first_token(
+    patched, chunks, lengths
+):
+    """The first chunks fill the ring of 4 exactly, the next runs past it:
+    the short row's first token sits in the column attention drops, and the
+    right-padding roll must bring it back."""
+    rows = Rows(4, [0, 0])
+    assert rows.check_prefill(chunks, lengths)
+    assert rows.check_extract(0)
+    assert rows.check(1) and rows.check(3) and rows.check(1)
 
 
 def test_decode_and_chunks_never_reallocate_after_the_first_update(monkeypatch):

@@ -42,6 +42,10 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks.
 
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
+        if max_size < 1:
+            raise ValueError(
+                f"BatchRotatingKVCache: max_size must be >= 1, got {max_size}"
+            )
         self.keys = None
         self.values = None
 
@@ -49,7 +53,7 @@ class BatchRotatingKVCache:
         self.offset = mx.array([-l for l in left_padding])
 
         self.max_size = max_size
-        self.keep = keep
+        self.keep = min(keep, max_size - 1)  # as in RotatingKVCache
         self._idx = keep
         self._offset = 0
         self.rotated = False

@@ -59,6 +59,18 @@ class RotatingKVCache:
     #   rotated order, the oldest at ``_idx`` (at ``keep`` when ``_idx == max_size``).
     # This is upstream's layout after its trims, so decode sees the same arrays.
 
+    def __init__(self, max_size, keep=0):
+        if max_size < 1:
+            raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
+        # The newest token needs a slot of its own: a ring no larger than
+        # ``keep`` keeps ``max_size - 1`` first tokens.
+        self.keep = min(keep, max_size - 1)
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.max_size = max_size
+        self._idx = 0
+
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
         B, H, _, Dk = keys.shape
@@ -189,6 +201,7 @@ PATCH = Patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {
+            "__init__": "e0dcbbd9ab98",
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",

@@ -24,7 +24,9 @@ class Rows:
     """A batch cache and, beside it, every real token of each row."""
 
     def __init__(self, max_size, lengths, keep=0, window=None):
-        self.max_size, self.keep, self.history, singles = max_size, keep, [], []
+        self.max_size, self.history, singles = max_size, [], []
+        # The newest token needs a slot: at most ``max_size - 1`` first tokens.
+        self.keep = min(keep, max_size - 1)
         self.window = window  # a model's window_size, below max_size
         for n in lengths:
             single = RotatingKVCache(max_size, keep)
@@ -187,6 +189,19 @@ def test_right_padded_prefill_past_an_exactly_full_ring_keeps_short_rows_first_t
     assert rows.check_prefill(chunks, lengths)
     assert rows.check_extract(0)
     assert rows.check(1) and rows.check(3) and rows.check(1)
+
+
+@pytest.mark.parametrize("max_size", [1, 2, 3, 5])
+def test_batch_ring_no_larger_than_keep_keeps_max_size_minus_1_first_tokens(
+    patched, max_size
+):
+    """Rows of ``RotatingKVCache(max_size, keep=4)`` (``--max-kv-size 1`` to
+    ``5``) batch like their single streams: sinks, one column or more."""
+    rows = Rows(max_size, [0, 2, 7], keep=4)
+    assert rows.cache.keep == min(4, max_size - 1)
+    assert rows.check_prefill([3, 4], [7, 2, 5])
+    assert all(rows.check(S) for S in (1, 1, 3, 1, 6, 1))
+    assert all(rows.check_extract(b) for b in range(3))
 
 
 def test_decode_and_chunks_never_reallocate_after_the_first_update(monkeypatch):

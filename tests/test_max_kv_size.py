@@ -1,6 +1,5 @@
 """make_prompt_cache(model, max_kv_size) bounds models that build their own cache."""
 
-import logging
 import subprocess
 import sys
 
@@ -77,18 +76,34 @@ def test_upstream_ignores_max_kv_size_for_models_with_make_cache(upstream, load_
     )
 
 
-def test_changed_layers_are_logged_once(patched, load_tiny, caplog):
+def test_changed_layers_are_warned_once(patched, load_tiny):
     model, _ = load_tiny("llama_sliding")
     max_kv_size._bounded_logged.clear()
-    with caplog.at_level(logging.INFO, logger="mlx_lm.models.cache"):
+    with pytest.warns(UserWarning) as record:
         for _ in range(3):
             make_prompt_cache(model, max_kv_size=48)
-    (record,) = caplog.records
-    assert "bounded 4 of 4 cache layers" in record.getMessage()
-    assert "1: KVCache -> RotatingKVCache(48, keep=4)" in record.getMessage()
-    assert (
-        "0: RotatingKVCache(64) -> RotatingKVCache(48, keep=0)" in record.getMessage()
-    )
+        make_prompt_cache(model, max_kv_size=40)
+    assert [str(w.message) for w in record] == [
+        "max_kv_size=48 bounds 4 of 4 cache layers of Model: "
+        "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(48, keep=0); "
+        "layers 1, 3: KVCache -> RotatingKVCache(48, keep=4)",
+        "max_kv_size=40 bounds 4 of 4 cache layers of Model: "
+        "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(40, keep=0); "
+        "layers 1, 3: KVCache -> RotatingKVCache(40, keep=4)",
+    ]
+
+
+def test_max_kv_size_below_1_raises_before_the_model_builds_a_cache(patched, load_tiny):
+    class Model:
+        layers = [None] * 2
+
+        def make_cache(self):
+            raise AssertionError("make_cache called")
+
+    for model in (Model(), load_tiny("qwen3")[0]):
+        for value in (0, -1):
+            with pytest.raises(ValueError, match=f"max_kv_size must be >= 1.*{value}"):
+                make_prompt_cache(model, max_kv_size=value)
 
 
 def kv_bytes_per_step(model, steps, max_kv_size=None):
@@ -135,6 +150,52 @@ def test_generate_command_runs_with_max_kv_size(make_tiny_dir):
     out = generate_front(make_tiny_dir("llama"), *args)
     assert out.returncode == 0, out.stderr
     assert "Generation: " in out.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_generate_command_rejects_max_kv_size_below_1_in_one_line(make_tiny_dir, value):
+    out = generate_front(make_tiny_dir("llama"), "--max-kv-size", value)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"ValueError: max_kv_size must be >= 1 (tokens a layer), got {value}"
+    assert "broadcast" not in out.stderr and "Negative" not in out.stderr
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("value", ["1", "3"])
+def test_generate_command_runs_with_a_max_kv_size_no_larger_than_keep(
+    make_tiny_dir, family, value
+):
+    args = ["--max-kv-size", value, "--max-tokens", "20", "--verbose", "True"]
+    out = generate_front(make_tiny_dir(family), *args, prompt=PROMPT)
+    assert out.returncode == 0, out.stderr
+    assert "Generation: 20 tokens" in out.stdout
+
+
+def test_generate_command_matches_upstream_on_the_smallest_ring_keeping_4(
+    make_tiny_dir,
+):
+    """qwen3 builds no cache itself: upstream gives it RotatingKVCache(5,
+    keep=4) too, and fed token by token its ring is right."""
+    args = ["--max-kv-size", "5", "--prefill-step-size", "1", "--max-tokens", "30"]
+    ours = generate_front(make_tiny_dir("qwen3"), *args, prompt=PROMPT)
+    cmd = [sys.executable, "-m", "mlx_lm.generate", "--model"]
+    cmd += [str(make_tiny_dir("qwen3")), "--prompt", PROMPT, "--ignore-chat-template"]
+    theirs = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120)
+    assert ours.returncode == theirs.returncode == 0, ours.stderr + theirs.stderr
+    assert (
+        ours.stdout.split("==========\n")[1] == theirs.stdout.split("==========\n")[1]
+    )
+
+
+def test_generate_command_shows_which_layers_max_kv_size_bounds_once_on_stderr(
+    make_tiny_dir,
+):
+    args = ["--max-kv-size", "48", "--max-tokens", "100", "--prefill-step-size", "16"]
+    out = generate_front(make_tiny_dir("gemma3_text"), *args, prompt=PROMPT)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("max_kv_size=48 bounds 4 of 4 cache layers") == 1
+    assert "UserWarning" in out.stderr
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "llama_sliding"])

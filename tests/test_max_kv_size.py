@@ -5,7 +5,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
@@ -231,3 +231,33 @@ def test_greedy_tokens_do_not_depend_on_prefill_step_size_below_the_window(
 
     one_by_one = run(1)
     assert run(16) == run(100) == run(2048) == one_by_one
+
+
+def test_batch_generate_does_not_depend_on_prefill_step_size_below_the_window(
+    patched, load_tiny
+):
+    """gemma3_text's sliding layers (window 64) shrunk to 48-slot batch rings:
+    batched rows equal their single streams, whatever the prefill step."""
+    model, tokenizer = load_tiny("gemma3_text")
+    prompts = [
+        mx.random.randint(0, 512, (n,), key=mx.random.key(n)).tolist()
+        for n in (40, 150, 90)
+    ]
+    batched = [
+        batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=30,
+            max_kv_size=48,
+            prefill_step_size=step,
+            return_token_ids=True,
+        ).token_ids
+        for step in (16, 2048)
+    ]
+    singles = []
+    for p in prompts:
+        cache = make_prompt_cache(model, max_kv_size=48)
+        steps = generate_step(mx.array(p), model, max_tokens=30, prompt_cache=cache)
+        singles.append([int(t) for t, _ in steps])
+    assert batched[0] == batched[1] == singles

@@ -50,8 +50,7 @@ check-upstream: venv
 	$(PYTHON) -m mlx_lm_patched.upstream check-release $(VERSION)
 
 fuzz: venv
-	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q tests/test_fuzz.py \
-		tests/test_fuzz_quantized.py \
+	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q -m fuzz \
 		--hypothesis-show-statistics
 
 soak: venv

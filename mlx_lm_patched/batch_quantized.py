@@ -153,6 +153,15 @@ class BatchQuantizedKVCache:
         self.head_dims = None if head_dims is None else tuple(head_dims)
         self._right_padding = None
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 9:
+            raise ValueError(f"{len(v)} state items, a BatchQuantizedKVCache has 9")
+        keys, values = v[:2]
+        _check_quantized(keys, values, *v[5:])
+        packed = [None if x is None else x[0] for x in (keys, values)]
+        BatchKVCache._check_state((*packed, *v[2:5]))
+
     def is_trimmable(self):
         return True
 
@@ -324,7 +333,8 @@ class BatchQuantizedRotatingKVCache:
     @property
     def state(self):
         return (
-            *BatchRotatingKVCache.state.fget(self),
+            *BatchRotatingKVCache.state.fget(self)[:8],
+            self.keep,
             self.group_size,
             self.bits,
             self.dtype,
@@ -336,6 +346,29 @@ class BatchQuantizedRotatingKVCache:
         BatchRotatingKVCache.state.fset(self, v[:9])
         self.group_size, self.bits, self.dtype, head_dims = v[9:]
         self.head_dims = None if head_dims is None else tuple(head_dims)
+
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 13:
+            raise ValueError(
+                f"{len(v)} state items, a BatchQuantizedRotatingKVCache has 13"
+            )
+        BatchRotatingKVCache._check_state(v[:9])
+        keys, values, group_size, bits, dtype, head_dims = *v[:2], *v[9:]
+        if keys is not None and head_dims is not None:
+            # Each token: its packed head dim, then its scales and biases.
+            _, *widths = _kv_quant_layout(*head_dims, group_size, bits)
+            if dtype not in ("float16", "bfloat16", "float32"):
+                raise ValueError(f"dtype {dtype!r} is not a float dtype")
+            size = getattr(mx, dtype).size
+            for x, w in zip((keys, values), widths):
+                if x.dtype != mx.uint32 or x.shape[3] != w * bits // 32 + (
+                    2 * w // group_size * size // 4
+                ):
+                    raise ValueError(
+                        f"{x.shape[3]} words a token do not fit head dims "
+                        f"{tuple(head_dims)}, bits={bits}, group_size={group_size}"
+                    )
 
     def extend(self, other):
         """
@@ -427,6 +460,14 @@ class _QuantizedKVCache:
 
 
 class _BatchKVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         mx.eval(self.left_padding)
         cache = BatchQuantizedKVCache(
@@ -483,6 +524,7 @@ def maybe_quantize_batch_cache(
     columns, read on the host so that decoding never waits for it."""
     if kv_bits is None:
         return
+    _check_kv_quantization(kv_bits, kv_group_size)
     for e, c in enumerate(prompt_cache):
         if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
             continue
@@ -720,7 +762,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:BatchKVCache",
         _BatchKVCache,
-        {"to_quantized": None, "merge": "5080e5997d08"},
+        {"trim": "f3009f8ac54b", "to_quantized": None, "merge": "5080e5997d08"},
     )
     + class_patch(
         "mlx_lm.models.cache:QuantizedRotatingKVCache",

@@ -22,6 +22,8 @@ and fails on head dims such as 96 or 80 that group size 64 does not divide;
   file ``load_prompt_cache`` reads from any thread without touching MLX.
 """
 
+import importlib
+import linecache
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -29,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, Target, class_patch, get_original, pasted_into, source_of
 
 
 def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):
@@ -69,6 +71,39 @@ def _kv_quantize(keys, values, group_size, bits):
             x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - x.shape[3])])
         out.append(mx.quantize(x, group_size=group_size, bits=bits))
     return group_size, *out
+
+
+def _check_quantized(keys, values, group_size, bits, dtype=None, head_dims=None):
+    """The tokens quantized state arrays ``keys`` and ``values`` hold;
+    ``ValueError`` unless each is a (packed, scales, biases) triple that
+    ``group_size`` and ``bits`` (and ``dtype``, ``head_dims`` if given) describe."""
+    if keys is None and values is None:
+        return 0
+    _kv_quant_layout(128, 128, group_size, bits)  # raises if either is unsupported
+    parts = list(keys or ()) + list(values or ())
+    if len(parts) != 6 or not all(
+        isinstance(x, mx.array) and x.ndim == 4 for x in parts
+    ):
+        raise ValueError("keys and values are not (packed, scales, biases) triples")
+    if len({x.shape[:3] for x in parts}) > 1:
+        raise ValueError("keys and values parts differ in batch, heads or tokens")
+    for (packed, scales, biases), dim in zip((keys, values), head_dims or (0, 0)):
+        width = packed.shape[-1] * 32 // bits
+        if (
+            packed.dtype != mx.uint32
+            or packed.shape[-1] * 32 % bits
+            or scales.shape != biases.shape
+            or scales.shape[-1] * group_size != width
+        ):
+            raise ValueError(
+                f"packed width {packed.shape[-1]} and {scales.shape[-1]} groups do not "
+                f"fit bits={bits}, group_size={group_size}"
+            )
+        if dim and not dim <= width < dim + 32:
+            raise ValueError(f"head dims {tuple(head_dims)} do not fit width {width}")
+        if dtype is not None and dtype != str(scales.dtype).rpartition(".")[2]:
+            raise ValueError(f"dtype {dtype!r} but {scales.dtype} scales")
+    return keys[0].shape[2]
 
 
 class _QuantizedKVCache:
@@ -151,15 +186,14 @@ class _QuantizedKVCache:
         keys, values = self.keys, self.values
         if keys is not None and self.offset < keys[0].shape[-2]:
             keys, values = self.keys_and_values()
-        return (
-            keys,
-            values,
-            self.offset,
-            self.group_size,
-            self.bits,
-            self.dtype,
-            self.head_dims,
-        )
+        state = (keys, values, self.offset, self.group_size, self.bits)
+        # Upstream's 5 items, which it reads (the setter reads dtype and head
+        # dims off the arrays), unless the head dims are zero-padded.
+        if keys is not None and self.head_dims is not None:
+            widths = tuple(x[0].shape[-1] * 32 // self.bits for x in (keys, values))
+            if tuple(self.head_dims) != widths:
+                return state + (self.dtype, self.head_dims)
+        return state
 
     @state.setter
     def state(self, v):
@@ -178,11 +212,18 @@ class _QuantizedKVCache:
         self.values = None if values is None else tuple(values)
         self.reserved = 0
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) not in (5, 7):
+            raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
+        keys, values, offset, group_size, bits = v[:5]
+        n = _check_quantized(keys, values, group_size, bits, *v[5:])
+        if not 0 <= offset <= n:
+            raise ValueError(f"offset {offset} is not within the {n} tokens stored")
+
     def trim(self, n):
         if n < 0:
-            raise ValueError(
-                f"QuantizedKVCache.trim: cannot trim a negative number of tokens ({n})"
-            )
+            raise ValueError(f"QuantizedKVCache.trim: n must be >= 0, got {n}")
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -232,6 +273,14 @@ class _QuantizedKVCache:
         kv_cache.offset = self.offset
         return kv_cache
 
+    def quantizes_with(self, group_size):
+        """Whether asking for ``group_size`` gives the group size this cache
+        holds, which may have been lowered to divide its head dims."""
+        if self.head_dims is None:
+            return group_size == self.group_size
+        layout = _kv_quant_layout(*self.head_dims, group_size, self.bits)
+        return layout[0] == self.group_size
+
     @property
     def nbytes(self):
         if self.keys is None:
@@ -248,6 +297,60 @@ class _KVCache:
                 self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
             )
         return quant_cache
+
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class _ChunkedKVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"ChunkedKVCache.trim: n must be >= 0, got {n}")
+        n = min(self.offset - self.start_position, n)
+        self.offset -= n
+        return n
+
+
+def _check_kv_quantization(kv_bits, kv_group_size):
+    """Refuse what ``mx.quantize`` cannot do at the first model call, not
+    when the cache reaches ``quantized_kv_start`` tokens."""
+    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(
+            f"kv_bits (--kv-bits) must be 2, 3, 4, 5, 6 or 8, got {kv_bits}"
+        )
+    if kv_bits is not None and kv_group_size not in (32, 64, 128):
+        raise ValueError(
+            f"kv_group_size (--kv-group-size) must be 32, 64 or 128, got {kv_group_size}"
+        )
+
+
+def maybe_quantize_kv_cache(prompt_cache, quantized_kv_start, kv_group_size, kv_bits):
+    if kv_bits is None:
+        return
+    _check_kv_quantization(kv_bits, kv_group_size)
+    for e, c in enumerate(prompt_cache):
+        if hasattr(c, "to_quantized") and c.offset >= quantized_kv_start:
+            prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def _generate_main():
+    """Upstream's ``generate.main`` (its fingerprint pins the source), its
+    ``--kv-group-size`` check asking the loaded cache (``quantizes_with``):
+    a file whose group size was lowered to fit its head dims is accepted."""
+    module = importlib.import_module("mlx_lm.generate")
+    old = "if args.kv_group_size != prompt_cache[0].group_size:"
+    new = "if not prompt_cache[0].quantizes_with(args.kv_group_size):"
+    source = source_of(get_original("mlx_lm.generate", "main")).replace(old, new)
+    # Registered with linecache so that inspect finds the source, as for a file.
+    name = "<mlx_lm_patched.quantized_cache: generate.main>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {}
+    exec(compile(source, name, "exec"), vars(module), namespace)
+    return namespace["main"]
 
 
 def quantized_scaled_dot_product_attention(
@@ -409,6 +512,7 @@ def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
 
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
 _kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
+_check_quantized = pasted_into("mlx_lm.models.cache", _check_quantized)
 prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
 prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
 quantized_scaled_dot_product_attention = pasted_into(
@@ -423,6 +527,7 @@ PATCH = Patch(
     [
         Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
         Target("mlx_lm.models.cache", "_kv_quantize", _kv_quantize, None),
+        Target("mlx_lm.models.cache", "_check_quantized", _check_quantized, None),
         Target("mlx_lm.models.cache", "HostPromptCache", HostPromptCache, None),
         Target(
             "mlx_lm.models.cache", "prompt_cache_to_host", prompt_cache_to_host, None
@@ -448,16 +553,48 @@ PATCH = Patch(
             "update_and_fetch": "5096c112dfde",
             "size": "6b9dbb3b7aa4",
             "state": "069c07781538",
+            "_check_state": None,
             "trim": "6ebc79648024",
             "reserve": None,
             "compact": None,
             "_resize": None,
             "to_kv_cache": None,
+            "quantizes_with": None,
             "nbytes": "82f80ece693d",
         },
     )
     + class_patch(
-        "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
-    ),
+        "mlx_lm.models.cache:KVCache",
+        _KVCache,
+        {"to_quantized": "c6f6b9bc51f5", "trim": "6ebc79648024"},
+    )
+    # Every cache rejects a negative trim (upstream's grow the offset).
+    + [
+        Target(
+            "mlx_lm.models.cache:ConcatenateKVCache",
+            "trim",
+            pasted_into("mlx_lm.models.cache", _KVCache.trim),
+            "6ebc79648024",
+        )
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:ChunkedKVCache", _ChunkedKVCache, {"trim": "559a164e9c37"}
+    )
+    # Unsupported --kv-bits or --kv-group-size fail at the first model call.
+    + [
+        Target(
+            "mlx_lm.generate",
+            "_check_kv_quantization",
+            pasted_into("mlx_lm.generate", _check_kv_quantization),
+            None,
+        ),
+        Target(
+            "mlx_lm.generate",
+            "maybe_quantize_kv_cache",
+            pasted_into("mlx_lm.generate", maybe_quantize_kv_cache),
+            "ecf45153d6a6",
+        ),
+        Target("mlx_lm.generate", "main", _generate_main(), "1830d4c1a9b7"),
+    ],
     requires=("prompt_cache_files",),
 )

@@ -216,7 +216,8 @@ def test_host_snapshot_written_by_another_thread_loads_bit_exactly(tmp_path):
     writer.join()
     loaded = load_prompt_cache(path)
     assert same_state(loaded[0], caches[0])
-    assert loaded[0].state[3:] == (64, 4, "bfloat16", (64, 64))
+    q = loaded[0]
+    assert (q.group_size, q.bits, q.dtype, q.head_dims) == (64, 4, "bfloat16", (64, 64))
     assert bits_equal(loaded[1].keys, caches[1].keys)
     assert bits_equal(loaded[1].values, caches[1].values)
 

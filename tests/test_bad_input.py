@@ -6,14 +6,19 @@ A row the current code fails is written as it should pass and marked
 """
 
 import dataclasses
+import re
 import warnings
 
 import mlx.core as mx
+import mlx_lm.models.cache as cache_module
 import numpy as np
 import pytest
 from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     load_prompt_cache,
@@ -74,10 +79,38 @@ def raises_unchanged(cache, call, error, match):
 # Trims
 
 
-@pytest.mark.parametrize("make", [ring, batch, quantized])
-def test_negative_trim_raises_naming_the_count(make):
-    cache = make()
-    raises_unchanged(cache, lambda: cache.trim(-1), ValueError, r"trim.*-1")
+def every_cache_kind():
+    """{class name: a filled cache} for every cache kind that trims."""
+    single = [KVCache(), ConcatenateKVCache(), ChunkedKVCache(16)]
+    batched = [BatchKVCache([0, 1]), BatchKVCache([0, 1]).to_quantized(64, 8)]
+    for c in single:
+        c.update_and_fetch(*random_kv(1, 2, 5, 64))
+    for c in batched:
+        c.update_and_fetch(*random_kv(2, 2, 5, 64))
+    caches = [ring(), batch(), quantized()] + single + batched
+    caches += [ring().to_quantized(64, 8), batch().to_quantized(64, 8)]
+    return {type(c).__name__: c for c in caches}
+
+
+TRIMMING = [
+    "RotatingKVCache",
+    "BatchRotatingKVCache",
+    "QuantizedKVCache",
+    "KVCache",
+    "ConcatenateKVCache",
+    "ChunkedKVCache",
+    "BatchKVCache",
+    "BatchQuantizedKVCache",
+    "QuantizedRotatingKVCache",
+    "BatchQuantizedRotatingKVCache",
+]
+
+
+@pytest.mark.parametrize("kind", TRIMMING)
+def test_negative_trim_of_every_cache_kind_raises_in_one_format(kind):
+    cache = every_cache_kind()[kind]
+    message = f"^{kind}.trim: n must be >= 0, got -1$"
+    raises_unchanged(cache, lambda: cache.trim(-1), ValueError, message)
 
 
 @pytest.mark.parametrize("make", [ring, batch])
@@ -322,6 +355,156 @@ def test_loading_a_file_missing_a_state_array_raises(cache_file):
     del arrays["0.0"]
     mx.save_safetensors(str(cache_file), arrays, metadata)
     load_unchanged(cache_file, ValueError, "0.0")
+
+
+# Files whose states contradict their own metadata: raise naming the file,
+# the layer and what is wrong, before any cache is built
+
+
+def long_ring():
+    cache = RotatingKVCache(512, 4)
+    cache.update_and_fetch(*random_kv(1, 2, 366, 4))
+    return cache
+
+
+def kv_cache():
+    cache = KVCache()
+    cache.update_and_fetch(*random_kv(1, 2, 10, 4))  # held in 256 slots
+    return cache
+
+
+def batch_kv():
+    cache = BatchKVCache([0, 2])
+    cache.update_and_fetch(*random_kv(2, 2, 6, 4))
+    return cache
+
+
+def cut(keys):
+    return keys[..., :50, :]
+
+
+# (cache, {state entry of layer 1: new value}, {metadata entry: new value},
+#  class named in the error, the inconsistency it names)
+INCONSISTENT = {
+    "offset past the stored tokens": (
+        long_ring,
+        {"1.2": 400},
+        {},
+        "RotatingKVCache",
+        "366 tokens stored for offset 400",
+    ),
+    "keep > max_size": (
+        long_ring,
+        {"1.3": 600},
+        {},
+        "RotatingKVCache",
+        "keep 600 and max_size 512",
+    ),
+    "max_size under the stored tokens": (
+        long_ring,
+        {"1.4": 10},
+        {},
+        "RotatingKVCache",
+        "366 tokens stored, more than max_size 10",
+    ),
+    "keys cut to 50 tokens": (
+        long_ring,
+        {"1.0": cut},
+        {},
+        "RotatingKVCache",
+        r"keys \(1, 2, 50, 4\).*differ",
+    ),
+    "negative offset": (
+        long_ring,
+        {"1.2": -1},
+        {},
+        "RotatingKVCache",
+        "offset -1 is negative",
+    ),
+    "max_size 0": (
+        long_ring,
+        {"1.4": 0},
+        {},
+        "RotatingKVCache",
+        "keep 4 and max_size 0",
+    ),
+    "_idx off the ring": (
+        long_ring,
+        {"1.5": 3},
+        {},
+        "RotatingKVCache",
+        "_idx 3 does not fit offset 366",
+    ),
+    "a ring state named QuantizedKVCache": (
+        long_ring,
+        {},
+        {"1.1": "QuantizedKVCache"},
+        "QuantizedKVCache",
+        "6 state items, a QuantizedKVCache has 5 or 7",
+    ),
+    "KVCache offset past its buffer": (
+        kv_cache,
+        {"1.2": 300},
+        {},
+        "KVCache",
+        "offset 300 is not within the 256 tokens",
+    ),
+    "quantized bits changed": (
+        quantized,
+        {"1.4": 4},
+        {},
+        "QuantizedKVCache",
+        "packed width 16 and 1 groups do not fit bits=4, group_size=64",
+    ),
+    "quantized offset past the stored tokens": (
+        quantized,
+        {"1.2": 50},
+        {},
+        "QuantizedKVCache",
+        "offset 50 is not within the 5",
+    ),
+    "batch offsets that do not add up": (
+        batch_kv,
+        {"1.2": mx.array([6, 9])},
+        {},
+        "BatchKVCache",
+        r"offset \[6, 9\] \+ left_padding \[0, 2\] is not _idx 6",
+    ),
+    "batch ring with a row missing from left_padding": (
+        batch,
+        {"1.3": mx.array([0])},
+        {},
+        "BatchRotatingKVCache",
+        "not one entry per row",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INCONSISTENT)
+def test_loading_an_inconsistent_state_raises_naming_file_layer_and_what(
+    case, tmp_path, monkeypatch
+):
+    make, entries, meta, cls, what = INCONSISTENT[case]
+    path = tmp_path / "edited.safetensors"
+    save_prompt_cache(str(path), [make(), make()])
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    for k, value in entries.items():
+        arrays[k] = value(arrays[k]) if callable(value) else mx.array(value)
+    mx.save_safetensors(str(path), arrays, {**metadata, **meta})
+
+    def build(cls, state):
+        pytest.fail(f"{cls.__name__} built from an inconsistent file")
+
+    monkeypatch.setattr(cache_module._BaseCache, "from_state", classmethod(build))
+    where = f"^{re.escape(str(path))}: layer 1 \\({cls}\\): "
+    load_unchanged(path, ValueError, where + ".*" + what)
+
+
+def test_consistent_states_of_every_kind_load(tmp_path):
+    caches = [long_ring(), kv_cache(), batch_kv(), *every_cache_kind().values()]
+    path = str(tmp_path / "all.safetensors")
+    save_prompt_cache(path, caches)
+    assert [type(c) for c in load_prompt_cache(path)] == [type(c) for c in caches]
 
 
 # Files written by upstream 0.32.2 (patches reverted) load and continue

@@ -10,13 +10,15 @@ server turns batching off whenever ``--kv-bits`` is set
 Here ``BatchQuantizedKVCache`` is ``BatchKVCache`` holding ``mx.quantize``
 tuples (merge, extract, filter, extend, prepare, finalize, trim, save/load);
 ``QuantizedKVCache.merge`` and ``BatchKVCache.to_quantized`` lead to it, and
-``BatchKVCache.merge`` of quantized caches too. ``BatchGenerator`` and
+``BatchKVCache.merge`` of quantized caches too; ``BatchKVCache.trim``, which
+both run, rejects negative counts. ``BatchGenerator`` and
 ``batch_generate`` take ``kv_bits``, ``kv_group_size`` and
 ``quantized_kv_start`` with ``generate_step``'s meaning: a batch's caches
 are quantized after the model call in which its longest row reaches
 ``quantized_kv_start`` tokens (with 0, after the first prefill chunk, so each
-row matches its single stream token for token). The server keeps batching
-with ``--kv-bits`` and passes it on.
+row matches its single stream token for token; unsupported values raise at
+the first model call). The server keeps batching with ``--kv-bits`` and
+passes it on.
 """
 
 import linecache

@@ -7,7 +7,9 @@ into it in place, and right padding is rolled into left padding in place.
 
 Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
 does (upstream's batch cache has no ``keep``, so batched rows of
-``generate --max-kv-size`` diverge from their single streams).
+``generate --max-kv-size`` diverge from their single streams). With
+``keep=0`` the saved state is upstream's eight items, which plain mlx-lm
+loads; ``keep`` is a ninth item only when it is not 0.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest

@@ -1,22 +1,33 @@
 """``QuantizedKVCache`` done right (issue 4).
 
 Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
-empty, lets ``trim(-1)`` grow ``offset``, saves its padding, grows by
+empty, lets ``trim(-1)`` grow ``offset`` (as do ``KVCache``,
+``ChunkedKVCache`` and ``ConcatenateKVCache``), saves its padding, grows by
 concatenating 256-token steps, cannot give its tokens back in full precision,
 and fails on head dims such as 96 or 80 that group size 64 does not divide;
-``KVCache.to_quantized`` quantizes the padding too. Here the cache:
+``KVCache.to_quantized`` quantizes the padding too; ``generate`` accepts
+``--kv-bits 16`` until the cache reaches ``--quantized-kv-start`` tokens.
+Here the cache:
 
-- reports live tokens (``size``), rejects negative trims, and ``compact()``
-  frees what trimming left behind; ``nbytes`` is what the buffers hold;
+- reports live tokens (``size``), rejects negative trims (so do the
+  unquantized caches), and ``compact()`` frees what trimming left behind;
+  ``nbytes`` is what the buffers hold;
 - allocates once when told the final length (``reserve``), else grows by half
   its capacity, writing the old tokens into the new buffers (no concatenate);
-- records the quantized dtype and head dims in ``state``, so
+- saves upstream's five-item ``state``, which plain mlx-lm reads, and reads
+  the quantized dtype and head dims back off the arrays, so
   ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
-  ``to_kv_cache()`` dequantizes to the original dtype;
+  ``to_kv_cache()`` dequantizes to the original dtype; only zero-padded head
+  dims, which upstream cannot attend over, add them as two more items;
 - picks a group size that divides the head dim (96 with 64 quantizes with
   32), or zero-pads it (80), padding the queries to match in
   ``quantized_scaled_dot_product_attention``, which also attends in query
-  blocks of bounded scores (ml-explore/mlx-lm#1587), bit-identical;
+  blocks of bounded scores (ml-explore/mlx-lm#1587), bit-identical; such a
+  file, saved with the group size in use, passes ``generate``'s
+  ``--kv-group-size`` check for the group size that was asked for
+  (``quantizes_with``);
+- unsupported ``kv_bits`` or ``kv_group_size`` raise at the first model call
+  (``maybe_quantize_kv_cache``), before any token;
 - ``prompt_cache_to_host`` copies any prompt cache to numpy on the calling
   thread (bfloat16 as uint16 bits); ``HostPromptCache.save`` then writes a
   file ``load_prompt_cache`` reads from any thread without touching MLX.

@@ -234,7 +234,7 @@ class BatchRotatingKVCache:
     def _check_state(v):
         if len(v) not in (8, 9):
             raise ValueError(f"{len(v)} state items, a BatchRotatingKVCache has 8 or 9")
-        keys, values, offset, left_padding, max_size, _offset, _idx, rotated = v[:8]
+        keys, values, offset, left_padding, max_size, _offset, _idx = v[:7]
         keep = v[8] if len(v) == 9 else 0
         n = _stored(keys, values)
         if max_size < 1 or not 0 <= keep < max_size:

@@ -299,24 +299,6 @@ class _QuantizedKVCache:
         return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
 
 
-class _KVCache:
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
-        quant_cache = QuantizedKVCache(group_size=group_size, bits=bits)
-        if self.keys is not None and self.offset > 0:
-            quant_cache.reserve(self.offset)
-            quant_cache.update_and_fetch(
-                self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-            )
-        return quant_cache
-
-    def trim(self, n):
-        if n < 0:
-            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-
 class _ChunkedKVCache:
     def trim(self, n):
         if n < 0:
@@ -329,11 +311,11 @@ class _ChunkedKVCache:
 def _check_kv_quantization(kv_bits, kv_group_size):
     """Refuse what ``mx.quantize`` cannot do at the first model call, not
     when the cache reaches ``quantized_kv_start`` tokens."""
-    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+    if kv_bits not in (2, 3, 4, 5, 6, 8):
         raise ValueError(
             f"kv_bits (--kv-bits) must be 2, 3, 4, 5, 6 or 8, got {kv_bits}"
         )
-    if kv_bits is not None and kv_group_size not in (32, 64, 128):
+    if kv_group_size not in (32, 64, 128):
         raise ValueError(
             f"kv_group_size (--kv-group-size) must be 32, 64 or 128, got {kv_group_size}"
         )
@@ -362,6 +344,24 @@ def _generate_main():
     namespace = {}
     exec(compile(source, name, "exec"), vars(module), namespace)
     return namespace["main"]
+
+
+class _KVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        quant_cache = QuantizedKVCache(group_size=group_size, bits=bits)
+        if self.keys is not None and self.offset > 0:
+            quant_cache.reserve(self.offset)
+            quant_cache.update_and_fetch(
+                self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+            )
+        return quant_cache
 
 
 def quantized_scaled_dot_product_attention(

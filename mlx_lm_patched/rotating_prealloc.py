@@ -39,7 +39,7 @@ def _check_update(cache, keys, values):
 
 def _stored(keys, values):
     """The tokens state arrays ``keys`` and ``values`` hold; ``ValueError``
-    unless both are None or (B, H, L, D) arrays of one batch, heads, L, dtype."""
+    unless both are None or (B, H, L, D) arrays agreeing in B, H, L and dtype."""
     if keys is None and values is None:
         return 0
     if not all(isinstance(x, mx.array) and x.ndim == 4 for x in (keys, values)):

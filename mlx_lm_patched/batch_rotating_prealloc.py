@@ -229,6 +229,14 @@ class BatchRotatingKVCache:
             (*v, 0) if len(v) == 8 else v
         )
         self._lengths = None
+        if self.keys is not None and self.keys.shape[2] > self.max_size:
+            # Upstream's ring right after a multi-token update, in temporal
+            # order: keep its newest max_size columns before any mask is made.
+            drop = self.keys.shape[2] - self.max_size
+            self.keys = self.keys[..., drop:, :]
+            self.values = self.values[..., drop:, :]
+            self.left_padding = self.left_padding - drop
+            self._idx = self.max_size
 
     @staticmethod
     def _check_state(v):
@@ -247,7 +255,12 @@ class BatchRotatingKVCache:
             raise ValueError("offset and left_padding are not one entry per row")
         if _offset < 0:
             raise ValueError(f"_offset {_offset} is negative")
-        if not keep + min(_offset, max_size - keep) <= n <= max_size:
+        # The sinks and the live columns once allocated (an empty cache has
+        # none); upstream's ring (keep=0) is longer right after a multi-token
+        # update, with _idx at the end.
+        need = keep + min(_offset, max_size - keep) if n or _offset else 0
+        longer = n > max_size and not (keep == 0 and _idx == n)
+        if n < need or longer:
             raise ValueError(
                 f"{n} slots stored for _offset {_offset}, keep {keep}, max_size {max_size}"
             )

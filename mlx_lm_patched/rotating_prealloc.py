@@ -163,10 +163,12 @@ class RotatingKVCache:
             )
         if offset < 0:
             raise ValueError(f"offset {offset} is negative")
-        if n > max_size:
-            raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
         if n < min(offset, max_size):
             raise ValueError(f"{n} tokens stored for offset {offset}")
+        # Upstream's ring holds more than max_size tokens right after a
+        # multi-token update, in temporal order with _idx at the end.
+        if n > max_size and not _idx == n <= offset:
+            raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
         # Slot ``_idx`` is next: the oldest once wrapped, else at ``offset``.
         if not (keep <= _idx <= n if offset > max_size else _idx == offset):
             raise ValueError(

@@ -370,6 +370,14 @@ def long_ring():
     return cache
 
 
+def wrapped_ring():
+    cache = RotatingKVCache(366, 4)
+    cache.update_and_fetch(*random_kv(1, 2, 400, 4))
+    for _ in range(3):  # _idx moves off the end, unlike upstream's longer rings
+        cache.update_and_fetch(*random_kv(1, 2, 1, 4))
+    return cache
+
+
 def kv_cache():
     cache = KVCache()
     cache.update_and_fetch(*random_kv(1, 2, 10, 4))  # held in 256 slots
@@ -404,7 +412,7 @@ INCONSISTENT = {
         "keep 600 and max_size 512",
     ),
     "max_size under the stored tokens": (
-        long_ring,
+        wrapped_ring,
         {"1.4": 10},
         {},
         "RotatingKVCache",
@@ -504,7 +512,8 @@ def test_loading_an_inconsistent_state_raises_naming_file_layer_and_what(
 
 
 def test_consistent_states_of_every_kind_load(tmp_path):
-    caches = [long_ring(), kv_cache(), batch_kv(), *every_cache_kind().values()]
+    caches = [long_ring(), wrapped_ring(), kv_cache(), batch_kv()]
+    caches += every_cache_kind().values()
     path = str(tmp_path / "all.safetensors")
     save_prompt_cache(path, caches)
     assert [type(c) for c in load_prompt_cache(path)] == [type(c) for c in caches]
@@ -545,16 +554,17 @@ def test_upstream_ring_file_loads_and_attends_like_the_reference(tmp_path, n):
         assert mx.allclose(out, ref, atol=1e-5).item()
 
 
-def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path):
+@pytest.mark.parametrize("n", [6, 12])  # 12: upstream's ring holds all 12
+def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path, n):
     def make():
         cache = BatchRotatingKVCache(8, [0, 2])
-        k, v = random_kv(2, 2, 6, 4)
+        k, v = random_kv(2, 2, n, 4)
         cache.update_and_fetch(k, v)
         return cache, (k, v)
 
     path, (hk, hv) = upstream_file(tmp_path, make)
     (cache,) = load_prompt_cache(str(path))
-    assert cache.keep == 0 and cache.offset.tolist() == [6, 4]
+    assert cache.keep == 0 and cache.offset.tolist() == [n, n - 2]
     k, v = random_kv(2, 2, 1, 4)
     q = mx.random.normal((2, 2, 1, 4))
     mask = cache.make_mask(1)
@@ -565,7 +575,7 @@ def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path):
             q[b : b + 1],
             hk[b : b + 1, :, pad:],
             hv[b : b + 1, :, pad:],
-            reference_mask(6 - pad, 1, 8),
+            reference_mask(n - pad, 1, 8),
         )
         assert mx.allclose(out[b : b + 1], ref, atol=1e-5).item()
 

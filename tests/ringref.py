@@ -28,7 +28,7 @@ def upstream_twin(patch, cls):
     originals = {
         t.attr: _registry.get_original(t.owner, t.attr)
         for t in patch.targets
-        if t.fingerprint is not None
+        if t.fingerprint is not None and t.owner.endswith(f":{cls.__name__}")
     }
     return type(f"Upstream{cls.__name__}", (cls,), originals)
 

@@ -5,11 +5,9 @@ A row the current code fails is written as it should pass and marked
 ``xfail(strict=True)`` with the reason.
 """
 
-import dataclasses
 import re
 import subprocess
 import sys
-import warnings
 
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
@@ -30,8 +28,6 @@ from mlx_lm.models.cache import (
 from ringref import attend, random_kv, reference_mask
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry, rotating_prealloc
-from mlx_lm_patched._registry import PatchDriftError, PatchDriftWarning
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -648,62 +644,3 @@ def test_fronts_refuse_kv_bits_16_before_generating_or_serving(front, tiny_model
     assert done.returncode != 0
     assert "kv_bits (--kv-bits) must be 2, 3, 4, 5, 6 or 8, got 16" in done.stderr
     assert done.stdout.strip() in ("", "==========")
-
-
-# Patches applied to an mlx-lm they were not written for
-
-
-def drifted(patch):
-    """``patch`` as if written against other upstream sources."""
-    targets = [
-        dataclasses.replace(t, fingerprint="000000000000")
-        for t in patch.targets
-        if t.fingerprint is not None
-    ]
-    return _registry.Patch("drifted_" + patch.name, patch.summary, targets)
-
-
-def upstream_objects():
-    return dict(vars(RotatingKVCache))
-
-
-def test_drifted_patch_warns_naming_it_and_leaves_upstream_unchanged():
-    mlx_lm_patched.revert()
-    before = upstream_objects()
-    with pytest.warns(PatchDriftWarning, match="drifted_rotating_prealloc.*changed"):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)])
-    assert not _registry.is_applied("drifted_rotating_prealloc")
-    assert upstream_objects() == before
-
-
-def test_drifted_patch_raises_with_strict_and_leaves_upstream_unchanged():
-    mlx_lm_patched.revert()
-    before = upstream_objects()
-    with pytest.raises(PatchDriftError, match="RotatingKVCache.trim changed"):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
-    assert upstream_objects() == before
-
-
-def test_another_installed_version_with_unchanged_sources_still_applies(monkeypatch):
-    """The version is only reported: fingerprints decide. An mlx-lm release
-    whose patched objects are unchanged gets the patches, and ``status``
-    shows both versions."""
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
-    mlx_lm_patched.revert()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        applied = mlx_lm_patched.apply(strict=True)
-    assert applied == [p.name for p in mlx_lm_patched.PATCHES]
-    status = mlx_lm_patched.status()["rotating_prealloc"]
-    assert (status["written_for"], status["installed"]) == ("0.32.2", "0.99.0")
-
-
-def test_another_installed_version_with_changed_sources_is_named_in_the_error(
-    monkeypatch,
-):
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
-    mlx_lm_patched.revert()
-    with pytest.raises(
-        PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
-    ):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)

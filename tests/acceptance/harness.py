@@ -32,6 +32,8 @@ WORDS = tiny.TEXT.split()
 # About 20 and 150 tokens as plain text; the chat template adds 8.
 SHORT = " ".join(WORDS[:20])
 LONG = " ".join(WORDS[40:190])
+OTHER_SHORT = " ".join(WORDS[200:220])
+OTHER_LONG = " ".join(WORDS[221:370])
 MAX_TOKENS = 24
 TIMEOUT = 120  # seconds for one CLI run
 

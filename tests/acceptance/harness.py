@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from mlx_lm_patched import tiny
 
 # name: (family, overrides). Head dims 16, 96, 64 (the one upstream can
@@ -35,6 +37,41 @@ LONG = " ".join(WORDS[40:190])
 OTHER_SHORT = " ".join(WORDS[200:220])
 OTHER_LONG = " ".join(WORDS[221:370])
 MAX_TOKENS = 24
+# The cache options of generate and cache_prompt.
+OPTIONS = {
+    "default": [],
+    "max-kv-128": ["--max-kv-size", 128],
+    "max-kv-48": ["--max-kv-size", 48],
+    "kv4-start0": ["--kv-bits", 4, "--quantized-kv-start", 0],
+    "kv4-start100": ["--kv-bits", 4, "--quantized-kv-start", 100],
+    "kv8-start0": ["--kv-bits", 8, "--quantized-kv-start", 0],
+    "kv8-start100": ["--kv-bits", 8, "--quantized-kv-start", 100],
+    "kv8-start0-max-kv-48": [
+        "--kv-bits", 8, "--quantized-kv-start", 0, "--max-kv-size", 48,
+    ],  # fmt: skip
+}
+# The quantized ring (--kv-bits with --max-kv-size) only on these.
+COMBINED = ("llama", "gemma3_text")
+
+
+def cells(pairs, xfail=None):
+    """``pytest.param``s of ``(model, option)``; those in ``xfail`` marked."""
+    xfail = xfail or {}
+    return [
+        pytest.param(
+            model,
+            option,
+            id=f"{model}-{option}",
+            marks=(
+                [pytest.mark.xfail(strict=True, reason=xfail[model, option])]
+                if (model, option) in xfail
+                else []
+            ),
+        )
+        for model, option in pairs
+    ]
+
+
 TIMEOUT = 120  # seconds for one CLI run
 
 

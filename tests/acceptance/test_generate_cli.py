@@ -5,21 +5,6 @@ itself with another ``--prefill-step-size`` where the cache is bounded."""
 import pytest
 from harness import LONG, MAX_TOKENS, MODELS, assert_clean_error, generate, ok, text_of
 
-OPTIONS = {
-    "default": [],
-    "max-kv-128": ["--max-kv-size", 128],
-    "max-kv-48": ["--max-kv-size", 48],
-    "kv4-start0": ["--kv-bits", 4, "--quantized-kv-start", 0],
-    "kv4-start100": ["--kv-bits", 4, "--quantized-kv-start", 100],
-    "kv8-start0": ["--kv-bits", 8, "--quantized-kv-start", 0],
-    "kv8-start100": ["--kv-bits", 8, "--quantized-kv-start", 100],
-    "kv8-start0-max-kv-48": [
-        "--kv-bits", 8, "--quantized-kv-start", 0, "--max-kv-size", 48,
-    ],  # fmt: skip
-}
-# The quantized ring (--kv-bits with --max-kv-size) only on these.
-COMBINED = ("llama", "gemma3_text")
-
 ITEM_2 = (
     "issue 11 item 2: --max-kv-size 48 below the sliding window of 64 makes the "
     "output depend on --prefill-step-size"
@@ -31,24 +16,6 @@ ITEM_6_SMALL = (
     "issue 11 item 6: --max-kv-size 1 / 3 (not above keep=4) crash with a "
     "traceback (llama, gemma3_text)"
 )
-
-
-def cells(pairs, xfail=None):
-    """``pytest.param``s of ``(model, option)``; those in ``xfail`` marked."""
-    xfail = xfail or {}
-    return [
-        pytest.param(
-            model,
-            option,
-            id=f"{model}-{option}",
-            marks=(
-                [pytest.mark.xfail(strict=True, reason=xfail[model, option])]
-                if (model, option) in xfail
-                else []
-            ),
-        )
-        for model, option in pairs
-    ]
 
 
 @pytest.mark.parametrize(

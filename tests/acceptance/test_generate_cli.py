@@ -3,7 +3,18 @@ option, against upstream where upstream works and is right, and against
 itself with another ``--prefill-step-size`` where the cache is bounded."""
 
 import pytest
-from harness import LONG, MAX_TOKENS, MODELS, assert_clean_error, generate, ok, text_of
+from harness import (
+    COMBINED,
+    LONG,
+    MAX_TOKENS,
+    MODELS,
+    OPTIONS,
+    assert_clean_error,
+    cells,
+    generate,
+    ok,
+    text_of,
+)
 
 ITEM_2 = (
     "issue 11 item 2: --max-kv-size 48 below the sliding window of 64 makes the "

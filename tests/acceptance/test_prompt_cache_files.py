@@ -3,7 +3,17 @@
 file travels between patched and plain mlx-lm."""
 
 import pytest
-from harness import LONG, MAX_TOKENS, OPTIONS, cells, cli, generate, ok, text_of
+from harness import (
+    LONG,
+    MAX_TOKENS,
+    OPTIONS,
+    assert_clean_error,
+    cells,
+    cli,
+    generate,
+    ok,
+    text_of,
+)
 
 MORE = " more"
 
@@ -126,3 +136,27 @@ def test_a_file_written_patched_continues_in_plain_mlx_lm(
     ours = cache_prompt(cache_dir, model_dir, model, option)
     want = text_of(continued(ours, model_dir, model, option))
     assert text_of(continued(ours, model_dir, model, option, upstream=True)) == want
+
+
+TRACEBACK = (
+    "found by the acceptance suite: invalid input to the fronts ends in a Python "
+    "traceback (exit 1) around a clear ValueError, not in a one-line error"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=TRACEBACK)
+def test_generate_refuses_a_file_that_is_not_a_prompt_cache_in_one_line(model_dir):
+    weights = model_dir("llama") / "model.safetensors"
+    args = ["--model", model_dir("llama"), "--prompt-cache-file", weights]
+    done = cli("generate", *args, "--prompt", MORE, "--max-tokens", 4)
+    assert done.returncode != 0 and "is not a prompt cache" in done.stderr
+    assert_clean_error(done)
+
+
+@pytest.mark.xfail(strict=True, reason=TRACEBACK)
+def test_generate_refuses_other_kv_bits_than_the_file_in_one_line(cache_dir, model_dir):
+    path = cache_prompt(cache_dir, model_dir, "qwen3", "kv8-start0")
+    args = ["--model", model_dir("qwen3"), "--prompt-cache-file", path]
+    done = cli("generate", *args, "--prompt", MORE, "--max-tokens", 4, "--kv-bits", 4)
+    assert done.returncode != 0 and "--kv-bits does not match" in done.stderr
+    assert_clean_error(done)

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from harness import MODELS
+from harness import MODELS, REPORT
 
 
 def pytest_configure(config):
@@ -28,3 +28,10 @@ def model_dir(make_tiny_dir):
         return make_tiny_dir(family, **overrides)
 
     return get
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("acceptance measurements")
+        for line in REPORT:
+            terminalreporter.write_line(line)

@@ -73,6 +73,8 @@ def cells(pairs, xfail=None):
 
 
 TIMEOUT = 120  # seconds for one CLI run
+# Lines printed at the end of the run (conftest's terminal summary).
+REPORT = []
 
 
 def run(*argv, upstream=False, env=None, timeout=TIMEOUT):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from distributed_generate import OPTIONS
-from harness import free_port
+from harness import REPORT, free_port
 
 from mlx_lm_patched import tiny
 
@@ -76,9 +76,12 @@ def ran(run, model_dir, make_tiny_dir, tmp_path_factory):
     rc, log = launch(cmd)
     record = dict(single=read(single, 0), ranks=[read(ranks, r) for r in (0, 1)],
                   rc=rc, log=log, cmd=" ".join(cmd))  # fmt: skip
-    print(f"\n{record['cmd']}\nexit {rc}\n{log[-2000:]}")
-    for r in record["ranks"]:
-        print(f"rank {r.get('rank')}: {r.get('tokens')} {r.get('error', '')}")
+    REPORT.append(f"{record['cmd']}\n  exit {rc}")
+    for r in [record["single"], *record["ranks"]]:
+        who = "1 process" if r.get("size") == 1 else f"rank {r.get('rank')}"
+        shown = {k: v[:8] for k, v in r.get("tokens", {}).items()}
+        REPORT.append(f"  {who}: heads {r.get('heads')}, layers {r.get('layers')}, "
+                      f"first tokens {shown} {r.get('error', '')}")  # fmt: skip
     _runs[run] = record
     return record
 

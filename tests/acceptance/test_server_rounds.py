@@ -22,6 +22,7 @@ from harness import (
     MAX_TOKENS,
     OTHER_LONG,
     OTHER_SHORT,
+    REPORT,
     SHORT,
     WORDS,
     Server,
@@ -220,7 +221,10 @@ def served(cell, model_dir, tmp_path_factory):
         record["alive"] = server.proc.poll() is None
     record["log"] = server.log()
     mib = [round(r / 2**20, 1) for r in record["rss"]]
-    print(f"\n{cell}: RSS MiB start {record['rss_start'] / 2**20:.1f}, rounds {mib}")
+    REPORT.append(
+        f"server {cell}: RSS MiB at start {record['rss_start'] / 2**20:.1f}, "
+        f"after rounds {mib} (round {ROUNDS} - round 1: {mib[-1] - mib[0]:+.1f})"
+    )
     _served[cell] = record
     return record
 
@@ -333,5 +337,4 @@ def test_server_memory_is_flat_across_rounds(serve, cell):
     list(replies(record))  # the rounds ran
     first, *_, last = record["rss"]
     grown = (last - first) / 2**20
-    print(f"{cell}: RSS round {ROUNDS} - round 1 = {grown:+.1f} MiB")
     assert last <= first + RSS_MARGIN, f"RSS grew {grown:.1f} MiB"

@@ -24,7 +24,7 @@ test: venv
 	$(PYTHON) -m pytest -q -m "not acceptance"
 
 # The command-line fronts, the server, batch_generate and 2 ranks end to end
-# (tests/acceptance, about 5 minutes of CPU).
+# (tests/acceptance, about 4 CPU-minutes).
 acceptance: venv
 	$(PYTHON) -m pytest -q -rxX -m acceptance tests/acceptance
 

@@ -2,12 +2,11 @@
 
 from mlx_lm.cache_prompt import main as upstream_main
 
-from mlx_lm_patched import apply
+from mlx_lm_patched._front import run
 
 
 def main():
-    apply()
-    upstream_main()
+    run(upstream_main)
 
 
 if __name__ == "__main__":

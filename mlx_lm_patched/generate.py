@@ -6,12 +6,11 @@ import types
 from mlx_lm.generate import generate
 from mlx_lm.generate import main as upstream_main
 
-from mlx_lm_patched import apply
+from mlx_lm_patched._front import run
 
 
 def main():
-    apply()
-    upstream_main()
+    run(upstream_main)
 
 
 class _CallableModule(types.ModuleType):

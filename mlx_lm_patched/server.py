@@ -6,6 +6,7 @@ import sys
 from mlx_lm.server import main as upstream_main
 
 from mlx_lm_patched import apply
+from mlx_lm_patched._front import run
 
 
 def main():
@@ -25,7 +26,7 @@ def main():
         pass  # not a number: upstream's parser says so
     except ValueError as e:
         sys.exit(f"error: {e}")
-    upstream_main()
+    run(upstream_main)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ several tests and runs once.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ringref import free_port
 
 from mlx_lm_patched import tiny
 
@@ -141,12 +141,6 @@ def generate(model, prompt=LONG, *flags, upstream=False, max_tokens=MAX_TOKENS):
 
 
 # The server.
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid):

@@ -32,15 +32,10 @@ CELLS = [(m, "default") for m in MODELS] + [
 ]
 
 START_100 = (
-    "found by the acceptance suite: with quantized_kv_start=100 a batch is "
-    "quantized once its longest row reaches 100 tokens, so a shorter row (55 "
-    "prompt + 24 tokens, never quantized alone) is quantized early and writes "
-    "other tokens than alone; the server's output with --kv-bits thus depends "
-    "on the requests batched with it"
-)
-ITEM_4 = (
-    "issue 11 item 4: batch_generate(..., kv_bits=4, quantized_kv_start=0) with a "
-    "batch of one (a one-token prompt) differs from generate with the same flags"
+    "known limitation (README): a batch holds its rows in one cache, quantized "
+    "once its longest row reaches quantized_kv_start (100), so a shorter row "
+    "(55 prompt + 24 tokens, never quantized alone) is quantized early and can "
+    "write other tokens than alone"
 )
 
 
@@ -93,13 +88,7 @@ def test_batch_rows_write_what_each_prompt_writes_alone(loaded, model, option):
 
 @pytest.mark.parametrize(
     "model, option",
-    cells(
-        [(m, o) for m in MODELS for o in ("kv4-start0", "kv8-start0")],
-        xfail={
-            **{(m, "kv4-start0"): ITEM_4 for m in MODELS},
-            ("qwen3", "kv8-start0"): ITEM_4 + " (here with kv_bits=8 too)",
-        },
-    ),
+    cells([(m, o) for m in MODELS for o in ("kv4-start0", "kv8-start0")]),
 )
 def test_a_batch_of_one_token_writes_what_generate_writes(loaded, model, option):
     # One prompt token: no prefill step before the first decode step.

@@ -31,22 +31,6 @@ CELLS = [
     ("llama_sliding", "kv4-start100"),
 ]
 
-ITEM_3 = (
-    "issue 11 item 3: cache_prompt --kv-bits N on a model whose head dim is not a "
-    "multiple of 64 (16 here, 96 in the issue) and with a QuantizedKVCache first "
-    "saves a group size that generate --kv-bits N refuses: '--kv-group-size does "
-    "not match the kv cache loaded from --prompt-cache-file'"
-)
-ITEM_2 = (
-    "issue 11 item 2: --max-kv-size 48 below the sliding window of 64: the "
-    "prompt continued from the file differs from one run (the output depends on "
-    "how the prompt is cut into steps)"
-)
-ITEM_7 = (
-    "issue 11 item 7: a QuantizedKVCache file saved patched cannot be loaded by "
-    "plain mlx-lm"
-)
-
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
@@ -72,10 +56,7 @@ def continued(path, model_dir, model, option, upstream=False):
 
 @pytest.mark.parametrize(
     "model, option",
-    cells(
-        CELLS,
-        xfail={("llama", "kv4-start100"): ITEM_3, ("llama", "kv8-start100"): ITEM_3},
-    ),
+    cells(CELLS),
 )
 def test_generate_continues_a_file_written_by_cache_prompt(
     cache_dir, model_dir, model, option
@@ -87,9 +68,7 @@ def test_generate_continues_a_file_written_by_cache_prompt(
 UNQUANTIZED = [(m, o) for m, o in CELLS if not o.startswith("kv")]
 
 
-@pytest.mark.parametrize(
-    "model, option", cells(UNQUANTIZED, xfail={("gemma3_text", "max-kv-48"): ITEM_2})
-)
+@pytest.mark.parametrize("model, option", cells(UNQUANTIZED))
 def test_continued_file_writes_what_the_whole_prompt_writes_in_one_run(
     cache_dir, model_dir, model, option
 ):
@@ -126,8 +105,7 @@ def test_a_file_written_by_upstream_continues_patched_as_upstream(
 @pytest.mark.parametrize(
     "model, option",
     cells(
-        [("llama", "default"), ("llama_sliding", "default"), ("qwen3", "kv8-start0")],
-        xfail={("qwen3", "kv8-start0"): ITEM_7},
+        [("llama", "default"), ("llama_sliding", "default"), ("qwen3", "kv8-start0")]
     ),
 )
 def test_a_file_written_patched_continues_in_plain_mlx_lm(
@@ -138,13 +116,6 @@ def test_a_file_written_patched_continues_in_plain_mlx_lm(
     assert text_of(continued(ours, model_dir, model, option, upstream=True)) == want
 
 
-TRACEBACK = (
-    "found by the acceptance suite: invalid input to the fronts ends in a Python "
-    "traceback (exit 1) around a clear ValueError, not in a one-line error"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=TRACEBACK)
 def test_generate_refuses_a_file_that_is_not_a_prompt_cache_in_one_line(model_dir):
     weights = model_dir("llama") / "model.safetensors"
     args = ["--model", model_dir("llama"), "--prompt-cache-file", weights]
@@ -153,7 +124,6 @@ def test_generate_refuses_a_file_that_is_not_a_prompt_cache_in_one_line(model_di
     assert_clean_error(done)
 
 
-@pytest.mark.xfail(strict=True, reason=TRACEBACK)
 def test_generate_refuses_other_kv_bits_than_the_file_in_one_line(cache_dir, model_dir):
     path = cache_prompt(cache_dir, model_dir, "qwen3", "kv8-start0")
     args = ["--model", model_dir("qwen3"), "--prompt-cache-file", path]

@@ -79,43 +79,6 @@ CELLS = {
     ),
 }
 
-ITEM_1 = (
-    "issue 11 item 1: --kv-bits 8 --quantized-kv-start 0 on a model with sliding "
-    "layers: the generation thread dies when a request joins a running batch "
-    "('tuple' object has no attribute 'shape' in BatchRotatingKVCache.merge), "
-    "later requests 404"
-)
-# (property, cell): reason. Cells listed here fail today.
-XFAIL = {
-    **{
-        (prop, cell): ITEM_1
-        for prop in (
-            "well_formed",
-            "alone",
-            "same_text",
-            "cache_hit",
-            "alive",
-            "memory",
-        )
-        for cell in ("llama_sliding-kv8-start0", "gemma3_text-kv8-start0")
-    },
-}
-
-
-def cells(prop):
-    return [
-        pytest.param(
-            cell,
-            id=cell,
-            marks=(
-                [pytest.mark.xfail(strict=True, reason=XFAIL[prop, cell])]
-                if (prop, cell) in XFAIL
-                else []
-            ),
-        )
-        for cell in CELLS
-    ]
-
 
 def body(kind, prompt, stream, max_tokens):
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
@@ -269,7 +232,7 @@ def reference(model_dir, cell, request):
     return generate(model_dir(model), prompt, *flags, max_tokens=max_tokens)
 
 
-@pytest.mark.parametrize("cell", cells("well_formed"))
+@pytest.mark.parametrize("cell", CELLS)
 def test_server_replies_are_well_formed(serve, cell):
     record = serve(cell)
     alone = replies(record, ALONE, [record["alone"]])
@@ -296,7 +259,7 @@ def assert_same_text(model_dir, cell, replies):
     return compared
 
 
-@pytest.mark.parametrize("cell", cells("alone"))
+@pytest.mark.parametrize("cell", CELLS)
 def test_server_request_alone_equals_the_single_stream_cli(serve, model_dir, cell):
     record = serve(cell)
     alone = replies(record, ALONE, [record["alone"]])
@@ -304,16 +267,14 @@ def test_server_request_alone_equals_the_single_stream_cli(serve, model_dir, cel
     assert compared >= (len(ALONE) if quantized_kv_start(cell) is None else 2)
 
 
-@pytest.mark.parametrize(
-    "cell", [c for c in cells("same_text") if quantized_kv_start(c.values[0]) is None]
-)
+@pytest.mark.parametrize("cell", [c for c in CELLS if quantized_kv_start(c) is None])
 def test_server_concurrent_rounds_equal_the_single_stream_cli(serve, model_dir, cell):
     assert assert_same_text(model_dir, cell, replies(serve(cell))) == ROUNDS * len(
         REQUESTS
     )
 
 
-@pytest.mark.parametrize("cell", cells("cache_hit"))
+@pytest.mark.parametrize("cell", CELLS)
 def test_server_repeated_prompts_hit_the_prompt_cache(serve, cell):
     for r, request, reply in replies(serve(cell)):
         if r > 0 and request[1] not in FRESH:
@@ -321,7 +282,7 @@ def test_server_repeated_prompts_hit_the_prompt_cache(serve, cell):
             assert cached.get("cached_tokens", 0) > 0, (r, request[:1], reply)
 
 
-@pytest.mark.parametrize("cell", cells("alive"))
+@pytest.mark.parametrize("cell", CELLS)
 def test_server_is_alive_and_answers_after_the_rounds(serve, cell):
     record = serve(cell)
     assert record["alive"] and record["health"] == "ok", record["log"]
@@ -331,7 +292,7 @@ def test_server_is_alive_and_answers_after_the_rounds(serve, cell):
     assert "Traceback" not in record["log"], record["log"]
 
 
-@pytest.mark.parametrize("cell", cells("memory"))
+@pytest.mark.parametrize("cell", CELLS)
 def test_server_memory_is_flat_across_rounds(serve, cell):
     record = serve(cell)
     list(replies(record))  # the rounds ran

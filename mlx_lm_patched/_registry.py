@@ -40,9 +40,14 @@ def source_of(obj: Any) -> str:
     return textwrap.dedent(inspect.getsource(obj))
 
 
+def fingerprint_source(source: str) -> str:
+    """A short hash of source text, blank lines and comments kept."""
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
 def fingerprint(obj: Any) -> str:
-    """A short hash of an object's source, blank lines and comments kept."""
-    return hashlib.sha256(source_of(obj).encode()).hexdigest()[:12]
+    """``fingerprint_source`` of an object's source (``source_of``)."""
+    return fingerprint_source(source_of(obj))
 
 
 _MISSING = object()
@@ -105,6 +110,8 @@ class Patch:
     summary: str
     targets: List[Target] = field(default_factory=list)
     requires: Tuple[str, ...] = ()
+    # Per upstream module, the names the patch's pasted code takes from it.
+    uses: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
 
 def pasted_into(module: str, obj: Any) -> Any:

@@ -7,18 +7,23 @@ are applied and whether upstream still matches what they were written for.
 """
 
 import os
+import warnings
 from typing import Dict, List
 
 from . import (
     _registry,
+    batch_generator_kv_bits,
     batch_quantized,
     batch_rotating_prealloc,
     bounded_attention,
+    host_export,
     max_kv_size,
     prompt_cache_files,
+    quantized_attention,
     quantized_cache,
     quantized_ring,
     rotating_prealloc,
+    server_kv_bits,
 )
 from ._registry import (
     UPSTREAM_VERSION,
@@ -30,17 +35,23 @@ from ._registry import (
 
 __version__ = "0.1.0"
 
-# Apply order; a patch may only require patches listed before it.
+# Apply order; a patch may only require patches listed before it. Each
+# patch is its module's ``PATCH``: the module says what it fixes and why.
 PATCHES: List[_registry.Patch] = [
-    rotating_prealloc.PATCH,
-    batch_rotating_prealloc.PATCH,
-    bounded_attention.PATCH,
-    prompt_cache_files.PATCH,
-    quantized_cache.PATCH,
-    max_kv_size.PATCH,
-    quantized_ring.PATCH,
-    batch_quantized.PATCH,
+    rotating_prealloc.PATCH,  # cache.py: RotatingKVCache
+    batch_rotating_prealloc.PATCH,  # cache.py: BatchRotatingKVCache
+    bounded_attention.PATCH,  # base.py: scaled_dot_product_attention
+    prompt_cache_files.PATCH,  # cache.py: load_prompt_cache
+    quantized_cache.PATCH,  # cache.py: QuantizedKVCache, KVCache.to_quantized
+    quantized_attention.PATCH,  # base.py: quantized_scaled_dot_product_attention
+    host_export.PATCH,  # cache.py: prompt_cache_to_host, HostPromptCache
+    max_kv_size.PATCH,  # cache.py: make_prompt_cache
+    quantized_ring.PATCH,  # cache.py: QuantizedRotatingKVCache
+    batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
+    batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
+    server_kv_bits.PATCH,  # server.py: batching with --kv-bits
 ]
+_registry.check_disjoint(PATCHES)
 
 
 def _select(names) -> List[_registry.Patch]:
@@ -56,9 +67,18 @@ def apply(*names: str, strict: bool = False) -> List[str]:
     return _registry.apply_patches(_select(names), strict=strict)
 
 
-def revert(*names: str) -> None:
-    """Restore the exact upstream objects of all (or the named) patches."""
-    _registry.revert_patches(_select(names))
+def revert(*names: str) -> List[str]:
+    """Restore the exact upstream objects of all (or the named) patches, and
+    of the applied patches that need them (with a warning naming those).
+    Returns the names reverted."""
+    reverted = _registry.revert_patches(_select(names))
+    if names and set(reverted) - set(names):
+        warnings.warn(
+            f"mlx_lm_patched: reverting {list(names)} also reverted "
+            f"{[n for n in reverted if n not in names]}, which need it",
+            stacklevel=2,
+        )
+    return reverted
 
 
 def status() -> Dict[str, dict]:
@@ -68,6 +88,7 @@ def status() -> Dict[str, dict]:
         p.name: {
             "applied": _registry.is_applied(p.name),
             "summary": p.summary,
+            "requires": list(p.requires),
             "written_for": UPSTREAM_VERSION,
             "installed": installed,
             "drift": [d for t in p.targets if (d := t.drift())],

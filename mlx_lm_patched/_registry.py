@@ -8,6 +8,8 @@ never overridden silently: the patch is skipped with a ``PatchDriftWarning``,
 or ``PatchDriftError`` with ``strict=True``.
 """
 
+import builtins
+import dis
 import hashlib
 import importlib
 import inspect
@@ -110,8 +112,73 @@ class Patch:
     summary: str
     targets: List[Target] = field(default_factory=list)
     requires: Tuple[str, ...] = ()
-    # Per upstream module, the names the patch's pasted code takes from it.
+    # Per upstream module, the names the patch's code takes from its namespace
+    # (pasted code runs there): checked to exist before the patch is applied.
     uses: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+
+    def missing_uses(self) -> List[str]:
+        """The declared upstream names the installed mlx-lm lacks."""
+        missing = []
+        for module, names in self.uses.items():
+            namespace = vars(importlib.import_module(module))
+            missing += [f"{module}.{n} is missing" for n in names if n not in namespace]
+        return missing
+
+
+def _global_reads(code: types.CodeType) -> set:
+    """Global names ``code`` (and the code nested in it) reads."""
+    names = {
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_reads(const)
+    return names
+
+
+def _functions(obj) -> List[types.FunctionType]:
+    """The functions that run ``obj``'s code: itself, a property's accessors,
+    a class's methods."""
+    if isinstance(obj, property):
+        return [f for f in (obj.fget, obj.fset) if f is not None]
+    if isinstance(obj, (classmethod, staticmethod)):
+        return [obj.__func__]
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    if inspect.isclass(obj):
+        return [f for v in vars(obj).values() for f in _functions(v)]
+    return []
+
+
+def undeclared_uses(patches: List[Patch]) -> Dict[str, List[str]]:
+    """Per patch, the names its pasted code reads from an upstream module
+    without declaring them in ``uses`` (builtins and names that patch or an
+    earlier one adds to that module excepted)."""
+    added: Dict[str, set] = {}
+    out = {}
+    for patch in patches:
+        for t in patch.targets:
+            added.setdefault(t.owner.partition(":")[0], set()).add(t.attr)
+        reads: Dict[str, set] = {}
+        for t in patch.targets:
+            for fn in _functions(t.new):
+                if fn.__module__.partition(".")[0] == "mlx_lm":  # pasted code
+                    reads.setdefault(fn.__module__, set()).update(
+                        _global_reads(fn.__code__)
+                    )
+        undeclared = [
+            f"{module}.{name}"
+            for module, names in sorted(reads.items())
+            for name in sorted(names)
+            if name not in vars(builtins)
+            and name not in added.get(module, ())
+            and name not in patch.uses.get(module, ())
+        ]
+        if undeclared:
+            out[patch.name] = undeclared
+    return out
 
 
 def pasted_into(module: str, obj: Any) -> Any:
@@ -133,6 +200,18 @@ def pasted_into(module: str, obj: Any) -> Any:
     fn.__qualname__, fn.__annotations__ = obj.__qualname__, obj.__annotations__
     fn.__module__ = module
     return fn
+
+
+def cache_class(module: str, namespace: type, *bases: type) -> type:
+    """``namespace`` as a new class of ``module``, its methods pasted there
+    (``load_prompt_cache`` finds a cache class by name once it is registered)."""
+    body = {
+        k: pasted_into(module, v)
+        for k, v in vars(namespace).items()
+        if k not in ("__dict__", "__weakref__")
+    }
+    body["__module__"] = module
+    return type(namespace.__name__, bases, body)
 
 
 def class_patch(
@@ -189,7 +268,8 @@ def _set(target: Target):
     if inspect.ismodule(owner) and original is not _MISSING:
         for mod in _importers(owner, target.attr, original):
             setattr(mod, target.attr, target.new)
-    _saved[target.key] = original
+    # The first original is kept: two patches never share a target.
+    _saved.setdefault(target.key, original)
     if target.new is REMOVED:
         delattr(owner, target.attr)
     else:
@@ -226,12 +306,29 @@ def installed_version() -> str:
     return version("mlx-lm")
 
 
+def check_disjoint(patches: List[Patch]):
+    """Raise if two patches replace the same attribute."""
+    owners: Dict[Tuple[str, str], str] = {}
+    for patch in patches:
+        for t in patch.targets:
+            other = owners.setdefault(t.key, patch.name)
+            if other != patch.name:
+                raise ValueError(
+                    f"patches {other!r} and {patch.name!r} both replace "
+                    f"{t.owner}.{t.attr}"
+                )
+
+
 def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
     """Apply ``patches`` in order; return the names that are applied now."""
+    check_disjoint(
+        list(_applied.values()) + [p for p in patches if p.name not in _applied]
+    )
     for patch in patches:
         if patch.name in _applied:
             continue
         problems = [d for t in patch.targets if (d := t.drift())]
+        problems += patch.missing_uses()
         problems += [
             f"needs patch {r!r}, which is not applied"
             for r in patch.requires
@@ -253,10 +350,22 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
     return list(_applied)
 
 
-def revert_patches(patches: List[Patch]):
-    """Put back the upstream objects, last applied first."""
-    for patch in reversed(patches):
-        if _applied.pop(patch.name, None) is None:
-            continue
-        for t in reversed(patch.targets):
+def dependents(names) -> List[str]:
+    """The applied patches that need any of ``names``, directly or not."""
+    needed, found = set(names), []
+    for patch in _applied.values():  # in apply order: requirements come first
+        if patch.name not in needed and needed & set(patch.requires):
+            needed.add(patch.name)
+            found.append(patch.name)
+    return found
+
+
+def revert_patches(patches: List[Patch]) -> List[str]:
+    """Put back the upstream objects, last applied first; patches that need
+    a reverted one are reverted with it. Returns the names reverted."""
+    names = [p.name for p in patches if p.name in _applied]
+    names += dependents(names)
+    for name in reversed([n for n in _applied if n in names]):
+        for t in reversed(_applied.pop(name).targets):
             _unset(t)
+    return names

@@ -1,35 +1,26 @@
-"""Batched quantized caches: ``BatchGenerator(kv_bits=...)``.
+"""Batched quantized caches: ``BatchQuantizedKVCache``, ``BatchQuantizedRotatingKVCache``.
 
 Upstream cannot batch a quantized cache: ``QuantizedKVCache`` has no
 ``merge`` (``batch_generate`` with quantized prompt caches raises "does not
-yet support batching with history"), ``BatchKVCache.merge`` of quantized
-caches returns an empty cache, ``BatchGenerator`` has no ``kv_bits``, and the
-server turns batching off whenever ``--kv-bits`` is set
-(ml-explore/mlx-lm#118, #126; PRs #941, #1322, #1343, #1526 closed unmerged).
+yet support batching with history"), and ``BatchKVCache.merge`` of quantized
+caches returns an empty cache (ml-explore/mlx-lm#118, #126; PRs #941, #1322,
+#1343, #1526 closed unmerged).
 
-Here ``BatchQuantizedKVCache`` is ``BatchKVCache`` holding ``mx.quantize``
-tuples (merge, extract, filter, extend, prepare, finalize, trim, save/load);
-``QuantizedKVCache.merge`` and ``BatchKVCache.to_quantized`` lead to it, and
-``BatchKVCache.merge`` of quantized caches too. ``BatchGenerator`` and
-``batch_generate`` take ``kv_bits``, ``kv_group_size`` and
-``quantized_kv_start`` with ``generate_step``'s meaning: a batch's caches
-are quantized after the model call in which its longest row reaches
-``quantized_kv_start`` tokens (with 0, after the first prefill chunk, so each
-row matches its single stream token for token). The server keeps batching
-with ``--kv-bits`` and passes it on.
+Here ``BatchQuantizedKVCache`` is a ``BatchKVCache`` holding ``mx.quantize``
+tuples (merge, extract, filter, extend, finalize, save/load; its ``prepare``,
+``trim`` and ``make_mask`` are ``BatchKVCache``'s), and
+``BatchQuantizedRotatingKVCache`` a ``BatchRotatingKVCache`` of packed
+quantized tokens. ``QuantizedKVCache.merge``, ``BatchKVCache.merge`` and
+``RotatingKVCache.merge`` of any mix of quantized and unquantized caches,
+in any order, lead to them; ``to_quantized`` converts a running batch.
 """
 
-import linecache
-from typing import List, Optional, Sequence
+from typing import List
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.models.cache import BatchRotatingKVCache, _BaseCache
-from mlx_lm.sample_utils import LogitsProcessor, Sampler
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-from ._registry import Patch, Target, class_patch, get_original, pasted_into, source_of
-from .quantized_ring import cache_class
+from ._registry import Patch, Target, cache_class, class_patch, pasted_into
 
 
 def _quantized_like(caches):
@@ -56,7 +47,7 @@ def _check_layouts(caches, what):
 # Written as it would read in mlx_lm/models/cache.py, and run there.
 class BatchQuantizedKVCache:
     # ``BatchKVCache``'s layout (its ``prepare``, ``trim``, ``make_mask`` and
-    # ``size`` run here unchanged): column ``t < _idx`` of the shared
+    # ``size`` are inherited): column ``t < _idx`` of the shared
     # timeline, row ``b`` real from column ``left_padding[b]``,
     # ``offset[b]`` its real tokens. ``keys``/``values`` are ``mx.quantize``
     # tuples, each part (B, H, capacity, ...), columns ``[_idx, capacity)``
@@ -64,20 +55,11 @@ class BatchQuantizedKVCache:
     step = 256
 
     def __init__(self, left_padding: List[int], group_size: int = 64, bits: int = 8):
-        self.keys = None
-        self.values = None
-        self.left_padding = mx.array(left_padding)
-        self.offset = mx.array([-l for l in left_padding])
-        self._idx = 0
+        BatchKVCache.__init__(self, left_padding)
         self.group_size = group_size
         self.bits = bits
         self.dtype = None
         self.head_dims = None
-
-        self._right_padding = None
-
-    def _quantize(self, keys, values):
-        return QuantizedRotatingKVCache._quantize(self, keys, values)
 
     def _resize(self, like, capacity):
         """Move columns ``[0, _idx)`` into buffers of ``capacity`` columns,
@@ -90,7 +72,7 @@ class BatchQuantizedKVCache:
         self.keys, self.values = tuple(new[:3]), tuple(new[3:])
 
     def update_and_fetch(self, keys, values):
-        keys, values = self._quantize(keys, values)
+        keys, values = _quantize_update(self, keys, values)
         prev, S = self._idx, keys[0].shape[2]
         capacity = 0 if self.keys is None else self.keys[0].shape[2]
         if prev + S > capacity:
@@ -108,14 +90,6 @@ class BatchQuantizedKVCache:
         return tuple(
             tuple(x[..., : self._idx, :] for x in parts)
             for parts in (self.keys, self.values)
-        )
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        BatchKVCache.prepare(
-            self,
-            left_padding=left_padding,
-            lengths=lengths,
-            right_padding=right_padding,
         )
 
     def finalize(self):
@@ -152,15 +126,6 @@ class BatchQuantizedKVCache:
         self.values = None if values is None else tuple(values)
         self.head_dims = None if head_dims is None else tuple(head_dims)
         self._right_padding = None
-
-    def is_trimmable(self):
-        return True
-
-    def trim(self, n):
-        return BatchKVCache.trim(self, n)
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        return BatchKVCache.make_mask(self, N, return_array=return_array, **kwargs)
 
     def filter(self, batch_indices):
         """
@@ -258,12 +223,6 @@ class BatchQuantizedKVCache:
         cache._idx = max_length
         return cache
 
-    def size(self):
-        return self._idx
-
-    def empty(self):
-        return self.keys is None
-
     @property
     def nbytes(self):
         if self.keys is None:
@@ -271,7 +230,9 @@ class BatchQuantizedKVCache:
         return sum(x.nbytes for x in self.keys + self.values)
 
 
-BatchQuantizedKVCache = cache_class(BatchQuantizedKVCache, _BaseCache)
+BatchQuantizedKVCache = cache_class(
+    "mlx_lm.models.cache", BatchQuantizedKVCache, BatchKVCache
+)
 
 
 class BatchQuantizedRotatingKVCache:
@@ -295,9 +256,6 @@ class BatchQuantizedRotatingKVCache:
         self.dtype = None
         self.head_dims = None
 
-    def _quantize(self, keys, values):
-        return QuantizedRotatingKVCache._quantize(self, keys, values)
-
     def _pack(self, parts):
         """One uint32 array from ``(packed, scales, biases)``."""
         packed, scales, biases = parts
@@ -317,7 +275,7 @@ class BatchQuantizedRotatingKVCache:
 
     def update_and_fetch(self, keys, values):
         dims = (keys.shape[3], values.shape[3])
-        keys, values = (self._pack(q) for q in self._quantize(keys, values))
+        keys, values = (self._pack(q) for q in _quantize_update(self, keys, values))
         keys, values = BatchRotatingKVCache.update_and_fetch(self, keys, values)
         return self._unpack(keys, dims[0]), self._unpack(values, dims[1])
 
@@ -392,14 +350,16 @@ class BatchQuantizedRotatingKVCache:
 
 
 BatchQuantizedRotatingKVCache = cache_class(
-    BatchQuantizedRotatingKVCache, BatchRotatingKVCache
+    "mlx_lm.models.cache", BatchQuantizedRotatingKVCache, BatchRotatingKVCache
 )
 
 
-class _QuantizedRotatingKVCache:
+class _RotatingKVCache:
     @classmethod
     def merge(_, caches):
-        return BatchQuantizedRotatingKVCache.merge(caches)
+        if any(hasattr(c, "bits") for c in caches):
+            return BatchQuantizedRotatingKVCache.merge(caches)
+        return BatchRotatingKVCache.merge(caches)
 
 
 class _BatchRotatingKVCache:
@@ -415,7 +375,7 @@ class _BatchRotatingKVCache:
         if self._lengths is not None:
             cache._lengths = mx.array(self._lengths)
         if self.keys is not None:
-            keys, values = cache._quantize(self.keys, self.values)
+            keys, values = _quantize_update(cache, self.keys, self.values)
             cache.keys, cache.values = cache._pack(keys), cache._pack(values)
         return cache
 
@@ -437,7 +397,7 @@ class _BatchKVCache:
             cache._right_padding = mx.array(self._right_padding)
         if self.keys is not None:
             # The whole buffer: the quantized one has the same capacity.
-            cache.keys, cache.values = cache._quantize(self.keys, self.values)
+            cache.keys, cache.values = _quantize_update(cache, self.keys, self.values)
         return cache
 
     @classmethod
@@ -475,209 +435,10 @@ class _BatchKVCache:
         return cache
 
 
-def maybe_quantize_batch_cache(
-    prompt_cache, quantized_kv_start, kv_group_size, kv_bits
-):
-    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once its
-    timeline (its longest row, padding included) has ``quantized_kv_start``
-    columns, read on the host so that decoding never waits for it."""
-    if kv_bits is None:
-        return
-    for e, c in enumerate(prompt_cache):
-        if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
-            continue
-        columns = c._offset if hasattr(c, "_offset") else c._idx
-        if columns >= quantized_kv_start:
-            prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
-
-
-def _extend_cache(cache_a, cache_b):
-    if not cache_a:
-        return cache_b
-    if not cache_b:
-        return cache_a
-    for i, (ca, cb) in enumerate(zip(cache_a, cache_b)):
-        # One batch quantized, the other not yet: quantize it too.
-        if hasattr(cb, "bits") and not hasattr(ca, "bits"):
-            cache_a[i] = ca = ca.to_quantized(group_size=cb.group_size, bits=cb.bits)
-        ca.extend(cb)
-    return cache_a
-
-
-class BatchGenerator:
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        max_tokens: int = 128,
-        stop_tokens: Optional[Sequence[Sequence[int]]] = None,
-        sampler: Optional[Sampler] = None,
-        logits_processors: Optional[List[LogitsProcessor]] = None,
-        completion_batch_size: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 2048,
-        max_kv_size: Optional[int] = None,
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
-        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-        stream=None,
-    ):
-        self.model = model
-        self.max_tokens = max_tokens
-        self.sampler = sampler or greedy_sampler
-        self.logits_processors = logits_processors or []
-        self.uid_count = 0
-        self.prefill_step_size = prefill_step_size
-        self.prefill_batch_size = prefill_batch_size
-        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
-        self.max_kv_size = max_kv_size
-        # As in generate_step: caches are quantized once a row has seen
-        # quantized_kv_start tokens (see maybe_quantize_batch_cache).
-        self.kv_bits = kv_bits
-        self.kv_group_size = kv_group_size
-        self.quantized_kv_start = quantized_kv_start
-
-        self._stream = stream or generation_stream
-
-        self._default_stop_sequences = StopSequences(
-            stop_tokens if stop_tokens else None,
-        )
-        self._uid_count = 0
-        self._prompt_batch = PromptProcessingBatch.empty(
-            self.model,
-            self.sampler,
-            prefill_step_size=prefill_step_size,
-        )
-        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
-        self._unprocessed_sequences = deque()
-        self._currently_processing = []
-
-        self._counters = BatchCounters()
-
-        self._old_wired_limit = maybe_set_recommended_wired_limit()
-
-    def _maybe_quantize(self, batch):
-        """Quantize ``batch``'s caches as ``generate_step`` does after a model call."""
-        maybe_quantize_batch_cache(
-            batch.prompt_cache,
-            self.quantized_kv_start,
-            self.kv_group_size,
-            self.kv_bits,
-        )
-
-    def _next(self):
-        generation_responses = []
-        prompt_responses = []
-
-        # Generate tokens first
-        if len(self._generation_batch) > 0:
-            tic = time.perf_counter()
-            generation_responses = self._generation_batch.next()
-            self._maybe_quantize(self._generation_batch)
-            self._counters.decode_time += time.perf_counter() - tic
-            self._counters.generation_tokens += len(generation_responses)
-            self._counters.generation_steps += 1
-            if self._counters.generation_steps % 512 == 0:
-                mx.clear_cache()
-
-        # Exit early because we already have our hands full with decoding
-        if len(self._generation_batch) >= self.completion_batch_size:
-            return prompt_responses, generation_responses
-
-        # Check if we have sequences and add them to the prompt batch
-        n = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - len(self._generation_batch),
-            len(self._unprocessed_sequences),
-        )
-        if n > 0:
-            self._prompt_batch.extend(self._make_batch(n))
-
-        # Split the prompt sequences to the ones moving to generation and the rest
-        keep = []
-        split = []
-        for i, seq in enumerate(self._currently_processing):
-            segments = seq[0]
-            if len(segments) == 1 and len(segments[0]) == 1:
-                split.append(i)
-            else:
-                keep.append(i)
-
-        # Actually split off part of the prompt batch and start generation
-        if split:
-            last_inputs = [self._currently_processing[i][0][0] for i in split]
-            progress = [(self._currently_processing[i][2],) * 2 for i in split]
-            self._currently_processing = [self._currently_processing[i] for i in keep]
-            gen_batch = self._prompt_batch.split(split).generate(last_inputs)
-            for i, p in enumerate(progress):
-                prompt_responses.append(
-                    PromptProcessingBatch.Response(
-                        gen_batch.uids[i],
-                        p,
-                        True,
-                        True,
-                    )
-                )
-            self._generation_batch.extend(gen_batch)
-
-        # Extract the next prompts input
-        prompts = []
-        for i, seq in enumerate(self._currently_processing):
-            response = PromptProcessingBatch.Response(
-                self._prompt_batch.uids[i], 0, False, False
-            )
-            segments = seq[0]
-            n = min(len(segments[0]), self.prefill_step_size)
-            prompts.append(segments[0][:n])
-            segments[0] = segments[0][n:]
-            if len(segments[0]) == 0:
-                segments.pop(0)
-                response.end_of_segment = True
-            seq[1] += len(prompts[-1])
-            response.progress = (seq[1], seq[2])
-            prompt_responses.append(response)
-
-        # Process the prompts
-        self._counters.prompt_tokens += sum(len(p) for p in prompts)
-        tic = time.perf_counter()
-        self._prompt_batch.prompt(prompts)
-        self._maybe_quantize(self._prompt_batch)
-        self._counters.prompt_time += time.perf_counter() - tic
-
-        return prompt_responses, generation_responses
-
-
-class ResponseGenerator:
-    def _is_batchable(self, args):
-        return self.model_provider.is_batchable and args.seed is None
-
-
-def _server_generate():
-    """Upstream's ``ResponseGenerator._generate`` (its fingerprint pins the
-    source) with the server's KV quantization passed to its BatchGenerator."""
-    import mlx_lm.server
-
-    upstream = get_original("mlx_lm.server:ResponseGenerator", "_generate")
-    call = "                    stream=generation_stream,\n"
-    kv = [
-        "kv_bits=self.cli_args.kv_bits",
-        "kv_group_size=self.cli_args.kv_group_size",
-        "quantized_kv_start=self.cli_args.quantized_kv_start",
-    ]
-    kv = "".join(f"                    {a},\n" for a in kv)
-    source = source_of(upstream).replace(call, call + kv)
-    # Registered with linecache so that inspect finds the source, as for a file.
-    name = "<mlx_lm_patched.batch_quantized: ResponseGenerator._generate>"
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-    namespace = {}
-    exec(compile(source, name, "exec"), vars(mlx_lm.server), namespace)
-    return namespace["_generate"]
-
-
 PATCH = Patch(
     "batch_quantized",
-    "BatchQuantizedKVCache: batched quantized caches; BatchGenerator, "
-    "batch_generate and the server take kv_bits",
+    "BatchQuantizedKVCache, BatchQuantizedRotatingKVCache: quantized caches "
+    "merge, batch, extract, save and load",
     [
         Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
         for name, f in (
@@ -695,24 +456,6 @@ PATCH = Patch(
             BatchQuantizedRotatingKVCache,
             None,
         ),
-        Target(
-            "mlx_lm.generate",
-            "maybe_quantize_batch_cache",
-            pasted_into("mlx_lm.generate", maybe_quantize_batch_cache),
-            None,
-        ),
-        Target(
-            "mlx_lm.generate",
-            "_extend_cache",
-            pasted_into("mlx_lm.generate", _extend_cache),
-            "15c766408c4c",
-        ),
-        Target(
-            "mlx_lm.server:ResponseGenerator",
-            "_generate",
-            _server_generate(),
-            "1531444ae206",
-        ),
     ]
     + class_patch(
         "mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache, {"merge": None}
@@ -723,24 +466,24 @@ PATCH = Patch(
         {"to_quantized": None, "merge": "5080e5997d08"},
     )
     + class_patch(
-        "mlx_lm.models.cache:QuantizedRotatingKVCache",
-        _QuantizedRotatingKVCache,
-        {"merge": None},
+        "mlx_lm.models.cache:RotatingKVCache",
+        _RotatingKVCache,
+        {"merge": "54ae8095aaa2"},
     )
     + class_patch(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         _BatchRotatingKVCache,
         {"to_quantized": "1c90dcd384db"},
-    )
-    + class_patch(
-        "mlx_lm.generate:BatchGenerator",
-        BatchGenerator,
-        {"__init__": "4ba63a2bd86d", "_maybe_quantize": None, "_next": "83e1aa6208fc"},
-    )
-    + class_patch(
-        "mlx_lm.server:ResponseGenerator",
-        ResponseGenerator,
-        {"_is_batchable": "329f82e54a80"},
     ),
     requires=("batch_rotating_prealloc", "quantized_cache", "quantized_ring"),
+    uses={
+        "mlx_lm.models.cache": (
+            "BatchKVCache",
+            "BatchRotatingKVCache",
+            "QuantizedKVCache",
+            "RotatingKVCache",
+            "dynamic_roll",
+            "mx",
+        )
+    },
 )

@@ -432,4 +432,10 @@ PATCH = Patch(
         },
     ),
     requires=("rotating_prealloc",),
+    uses={
+        "mlx_lm.models.cache": (
+            "RotatingKVCache",
+            "mx",
+        )
+    },
 )

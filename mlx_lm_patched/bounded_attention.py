@@ -78,4 +78,10 @@ PATCH = Patch(
             "8deba4a8a8fb",
         )
     ],
+    uses={
+        "mlx_lm.models.base": (
+            "mx",
+            "quantized_scaled_dot_product_attention",
+        )
+    },
 )

@@ -100,4 +100,10 @@ PATCH = Patch(
             "ae8ee8ce5ac6",
         ),
     ],
+    uses={
+        "mlx_lm.models.cache": (
+            "KVCache",
+            "RotatingKVCache",
+        )
+    },
 )

@@ -103,4 +103,11 @@ PATCH = Patch(
             "1a64604fd5bd",
         ),
     ],
+    uses={
+        "mlx_lm.models.cache": (
+            "_BaseCache",
+            "mx",
+            "tree_unflatten",
+        )
+    },
 )

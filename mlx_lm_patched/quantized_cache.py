@@ -1,4 +1,4 @@
-"""``QuantizedKVCache`` done right (issue 4).
+"""``QuantizedKVCache`` done right.
 
 Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
 empty, lets ``trim(-1)`` grow ``offset``, saves its padding, grows by
@@ -14,19 +14,12 @@ and fails on head dims such as 96 or 80 that group size 64 does not divide;
   ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
   ``to_kv_cache()`` dequantizes to the original dtype;
 - picks a group size that divides the head dim (96 with 64 quantizes with
-  32), or zero-pads it (80), padding the queries to match in
-  ``quantized_scaled_dot_product_attention``, which also attends in query
-  blocks of bounded scores (ml-explore/mlx-lm#1587), bit-identical;
-- ``prompt_cache_to_host`` copies any prompt cache to numpy on the calling
-  thread (bfloat16 as uint16 bits); ``HostPromptCache.save`` then writes a
-  file ``load_prompt_cache`` reads from any thread without touching MLX.
+  32), or zero-pads it (80; attention pads the queries to match, see
+  ``quantized_attention``).
 """
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
-
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map, tree_reduce
+from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ._registry import Patch, Target, class_patch, pasted_into
@@ -250,195 +243,16 @@ class _KVCache:
         return quant_cache
 
 
-def quantized_scaled_dot_product_attention(
-    queries: mx.array,
-    q_keys: tuple[mx.array, mx.array, mx.array],
-    q_values: tuple[mx.array, mx.array, mx.array],
-    scale: float,
-    mask: Optional[mx.array],
-    group_size: int = 64,
-    bits: int = 8,
-    block_bytes: int = 1 << 26,
-) -> mx.array:
-    """Attention over a quantized cache, at most ``block_bytes`` of scores at a
-    time: a long prefill chunk's scores outgrow the cache otherwise (#1587)."""
-    B, n_q_heads, L, D = queries.shape
-    n_kv_heads = q_keys[0].shape[-3]
-    n_repeats = n_q_heads // n_kv_heads
-
-    queries *= scale
-
-    # A QuantizedKVCache zero-pads head dims no group size divides (keys and
-    # values alike): pad the queries to match, drop the padding from the output.
-    width = q_keys[0].shape[-1] * 32 // bits
-    if width > D:
-        queries = mx.pad(queries, [(0, 0), (0, 0), (0, 0), (0, width - D)])
-
-    if n_repeats > 1:
-        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, width))
-        q_keys = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_keys)
-        q_values = tree_map(lambda x: mx.expand_dims(x, axis=-3), q_values)
-
-    kL = q_keys[0].shape[-2]
-    if isinstance(mask, str):
-        q_indices = mx.arange(kL - L, kL)
-        k_indices = mx.arange(kL)
-        mask = q_indices[:, None] >= k_indices[None]
-    if mask is not None and n_repeats > 1 and mask.ndim > 3:
-        mask = mx.expand_dims(mask, -3)
-
-    rows = max(1, block_bytes // (B * n_q_heads * kL * queries.dtype.size))
-    out = []
-    for i in range(0, L, rows):
-        scores = mx.quantized_matmul(
-            queries[..., i : i + rows, :],
-            *q_keys,
-            transpose=True,
-            group_size=group_size,
-            bits=bits,
-        )
-        if mask is not None:
-            rowwise = mask.ndim > 1 and mask.shape[-2] > 1
-            m = mask[..., i : i + rows, :] if rowwise else mask
-            if m.dtype == mx.bool_:
-                scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-            else:
-                scores += m
-        scores = mx.softmax(scores, axis=-1, precise=True)
-        out.append(
-            mx.quantized_matmul(
-                scores, *q_values, transpose=False, group_size=group_size, bits=bits
-            )
-        )
-        if rows < L:
-            mx.eval(out[-1])  # lazily, every block's scores would be alive at once
-    out = out[0] if len(out) == 1 else mx.concatenate(out, axis=-2)
-
-    if n_repeats > 1:
-        out = mx.reshape(out, (B, n_q_heads, L, -1))
-    if width > D:
-        out = out[..., :D]
-
-    return out
-
-
-@dataclass
-class HostPromptCache:
-    """A prompt cache copied to host memory, for serializing on any thread.
-
-    ``arrays`` are numpy copies of the state arrays, bfloat16 as its uint16
-    bits; ``dtypes`` names each array's MLX dtype; ``metadata`` is what
-    ``save_prompt_cache`` writes. ``save`` uses no MLX.
-    """
-
-    arrays: Dict[str, Any]
-    dtypes: Dict[str, str]
-    metadata: Dict[str, str]
-
-    @property
-    def nbytes(self):
-        return sum(a.nbytes for a in self.arrays.values())
-
-    def save(self, file_name: str):
-        """Write a ``.safetensors`` file that ``load_prompt_cache`` reads."""
-        import json
-
-        codes = {
-            "bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
-            "uint64": "U64", "int8": "I8", "int16": "I16", "int32": "I32",
-            "int64": "I64", "float16": "F16", "bfloat16": "BF16",
-            "float32": "F32", "float64": "F64",
-        }  # fmt: skip
-        header = {"__metadata__": self.metadata}
-        start = 0
-        for k, a in self.arrays.items():
-            dtype = codes[self.dtypes[k]]
-            header[k] = {"dtype": dtype, "shape": list(a.shape)}
-            header[k]["data_offsets"] = [start, start + a.nbytes]
-            start += a.nbytes
-        header = json.dumps(header).encode()
-        header += b" " * (-len(header) % 8)
-        with open(file_name, "wb") as f:
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
-            for a in self.arrays.values():
-                f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-
-
-def prompt_cache_to_host(
-    cache: List[Any], metadata: Optional[Dict[str, str]] = None
-) -> HostPromptCache:
-    """Evaluate ``cache`` and copy its state to numpy, on the calling thread."""
-    import numpy as np
-
-    scalars = [""]  # as in save_prompt_cache
-    arrays, dtypes = {}, {}
-    for k, data in tree_flatten([c.state for c in cache]):
-        if isinstance(data, (int, float, bool)):
-            scalars.append((k, "scalar"))
-            data = mx.array(data)
-        elif isinstance(data, str):
-            scalars.append((k, "string"))
-            data = mx.array([ord(char) for char in data])
-        elif data is None:
-            scalars.append((k, "none"))
-            data = mx.array([])
-        elif not isinstance(data, mx.array):
-            raise ValueError(f"Model state is not serializable: {data}")
-        dtypes[k] = str(data.dtype).rpartition(".")[2]
-        if data.dtype == mx.bfloat16:
-            data = data.view(mx.uint16)
-        arrays[k] = data
-    mx.eval(list(arrays.values()))
-    arrays = {k: np.array(a) for k, a in arrays.items()}
-    classes = [type(c).__name__ for c in cache]
-    cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
-    return HostPromptCache(arrays, dtypes, cache_metadata)
-
-
-def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
-    """The prompt cache ``prompt_cache_to_host`` copied, bit for bit."""
-    arrays = {
-        k: mx.array(a).view(getattr(mx, host.dtypes[k])) for k, a in host.arrays.items()
-    }
-    cache, metadata = _prompt_cache_from_arrays(arrays, host.metadata, "host snapshot")
-    if return_metadata:
-        return cache, metadata
-    return cache
-
-
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
 _kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
-prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
-prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
-quantized_scaled_dot_product_attention = pasted_into(
-    "mlx_lm.models.base", quantized_scaled_dot_product_attention
-)
-
 
 PATCH = Patch(
     "quantized_cache",
-    "QuantizedKVCache: live size, compaction, geometric growth, dequantized and "
-    "host export, bit-exact save/load, any head dim",
+    "QuantizedKVCache: live size, compaction, geometric growth, dequantized "
+    "export, bit-exact save/load, any head dim",
     [
         Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
         Target("mlx_lm.models.cache", "_kv_quantize", _kv_quantize, None),
-        Target("mlx_lm.models.cache", "HostPromptCache", HostPromptCache, None),
-        Target(
-            "mlx_lm.models.cache", "prompt_cache_to_host", prompt_cache_to_host, None
-        ),
-        Target(
-            "mlx_lm.models.cache",
-            "prompt_cache_from_host",
-            prompt_cache_from_host,
-            None,
-        ),
-        Target(
-            "mlx_lm.models.base",
-            "quantized_scaled_dot_product_attention",
-            quantized_scaled_dot_product_attention,
-            "f42bc5d03992",
-        ),
     ]
     + class_patch(
         "mlx_lm.models.cache:QuantizedKVCache",
@@ -459,5 +273,13 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
     ),
-    requires=("prompt_cache_files",),
+    uses={
+        "mlx_lm.models.cache": (
+            "KVCache",
+            "QuantizedKVCache",
+            "mx",
+            "tree_map",
+            "tree_reduce",
+        )
+    },
 )

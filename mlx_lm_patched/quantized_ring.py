@@ -5,9 +5,9 @@ Upstream raises ``NotImplementedError: RotatingKVCache Quantization NYI``, so
 llama with ``sliding_window``) and with ``--max-kv-size``
 (ml-explore/mlx-lm#1573, #1583; PRs #968, #1074, #1584 closed unmerged).
 Here ``to_quantized`` returns a ``QuantizedRotatingKVCache``: the same
-preallocated ring as the patched ``RotatingKVCache`` (same slots, same masks,
-same trims; it runs that class's ``make_mask`` and ``trim``), holding
-``mx.quantize`` tuples that attention reads through ``bits``, written in place.
+preallocated ring as the patched ``RotatingKVCache`` (a subclass: same slots,
+same masks, same trims), holding ``mx.quantize`` tuples that attention reads
+through ``bits``, written in place.
 ``to_kv_cache()`` dequantizes it back into a ``RotatingKVCache``, and it
 saves and loads through ``save_prompt_cache``/``load_prompt_cache``.
 """
@@ -15,61 +15,44 @@ saves and loads through ``save_prompt_cache``/``load_prompt_cache``.
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.cache import RotatingKVCache
 
-from ._registry import Patch, Target, class_patch, pasted_into
-
-
-def cache_class(namespace, *bases):
-    """``namespace`` as a new class of mlx_lm/models/cache.py, its methods
-    pasted there (``load_prompt_cache`` finds it by name once registered)."""
-    body = {
-        k: pasted_into("mlx_lm.models.cache", v)
-        for k, v in vars(namespace).items()
-        if k not in ("__dict__", "__weakref__")
-    }
-    body["__module__"] = "mlx_lm.models.cache"
-    return type(namespace.__name__, bases, body)
+from ._registry import Patch, Target, cache_class, class_patch, pasted_into
 
 
-# Written as it would read in mlx_lm/models/cache.py, and run there:
+# Written as they would read in mlx_lm/models/cache.py, and run there:
 # ``_put`` is rotating_prealloc's, ``_kv_quantize`` quantized_cache's.
+def _quantize_update(cache, keys, values):
+    """``keys`` and ``values`` quantized (and padded) as the quantized ``cache``
+    holds them; the first update fixes its group size, head dims and dtype."""
+    dims = (keys.shape[3], values.shape[3])
+    if cache.head_dims is not None and dims != tuple(cache.head_dims):
+        raise ValueError(
+            f"{type(cache).__name__} holds head dims {tuple(cache.head_dims)}, "
+            f"got {dims}"
+        )
+    dtype = str(keys.dtype).rpartition(".")[2]
+    group_size, keys, values = _kv_quantize(keys, values, cache.group_size, cache.bits)
+    if cache.head_dims is None:
+        cache.group_size, cache.head_dims, cache.dtype = group_size, dims, dtype
+    return [tuple(keys), tuple(values)]
+
+
 class QuantizedRotatingKVCache:
     # The ring of the patched ``RotatingKVCache``: ``max_size`` slots,
     # ``offset``, ``_idx`` and ``keep`` with the same meaning, so its
-    # ``make_mask`` and ``trim`` run here unchanged. ``keys``/``values`` are
-    # ``mx.quantize`` tuples (packed, scales, biases), each part
+    # ``trim``, ``is_trimmable`` and ``size`` are inherited. ``keys``/``values``
+    # are ``mx.quantize`` tuples (packed, scales, biases), each part
     # (B, H, max_size, ...) once allocated; a token's groups lie along its
     # own head dim, so moving a slot moves its token exactly.
 
     def __init__(self, max_size, keep=0, group_size: int = 64, bits: int = 8):
-        self.keep = keep
-        self.keys = None
-        self.values = None
-        self.offset = 0
-        self.max_size = max_size
-        self._idx = 0
+        RotatingKVCache.__init__(self, max_size, keep)
         # As in QuantizedKVCache (see its __init__).
         self.group_size = group_size
         self.bits = bits
         self.dtype = None
         self.head_dims = None
-
-    def _quantize(self, keys, values):
-        """``keys`` and ``values`` quantized (and padded) as the ring holds them."""
-        dims = (keys.shape[3], values.shape[3])
-        if self.head_dims is not None and dims != tuple(self.head_dims):
-            raise ValueError(
-                f"QuantizedRotatingKVCache holds head dims {tuple(self.head_dims)}, "
-                f"got {dims}"
-            )
-        dtype = str(keys.dtype).rpartition(".")[2]
-        group_size, keys, values = _kv_quantize(
-            keys, values, self.group_size, self.bits
-        )
-        if self.head_dims is None:
-            self.group_size, self.head_dims, self.dtype = group_size, dims, dtype
-        return [tuple(keys), tuple(values)]
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in the live slots of a loaded state."""
@@ -106,7 +89,7 @@ class QuantizedRotatingKVCache:
                 "QuantizedRotatingKVCache holds (batch, heads)="
                 f"{self.keys[0].shape[:2]}, got {(B, H)}"
             )
-        keys, values = self._quantize(keys, values)
+        keys, values = _quantize_update(self, keys, values)
         if self.keys is None or self.keys[0].shape[2] != self.max_size:
             self._allocate(keys, values)
         if self.offset + S <= self.max_size:
@@ -134,9 +117,6 @@ class QuantizedRotatingKVCache:
             )
         return self.keys, self.values
 
-    def size(self):
-        return min(self.offset, self.max_size)
-
     @property
     def state(self):
         keys, values = self.keys, self.values
@@ -163,11 +143,14 @@ class QuantizedRotatingKVCache:
         self.values = None if values is None else tuple(values)
         self.head_dims = None if head_dims is None else tuple(head_dims)
 
-    def is_trimmable(self):
-        return self.offset < self.max_size
-
-    def trim(self, n):
-        return RotatingKVCache.trim(self, n)
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """Already quantized: ``generate_step`` asks again after every step."""
+        if bits != self.bits:
+            raise ValueError(
+                f"QuantizedRotatingKVCache holds {self.bits}-bit tokens, "
+                f"asked for {bits} bits"
+            )
+        return self
 
     def to_kv_cache(self):
         """The ring dequantized into a ``RotatingKVCache`` of the original dtype."""
@@ -190,9 +173,6 @@ class QuantizedRotatingKVCache:
         # One decode query: (1, slots), as quantized attention takes query rows.
         return mask[None] if isinstance(mask, mx.array) and mask.ndim == 1 else mask
 
-    def empty(self):
-        return self.keys is None
-
     @property
     def nbytes(self):
         if self.keys is None:
@@ -208,23 +188,27 @@ class _RotatingKVCache:
         if self.keys is not None and self.offset > 0:
             if self.keys.shape[2] != self.max_size:
                 self._allocate(self.keys, self.values)
-            cache.keys, cache.values = cache._quantize(self.keys, self.values)
+            cache.keys, cache.values = _quantize_update(cache, self.keys, self.values)
             cache.offset, cache._idx = self.offset, self._idx
         return cache
 
 
-QuantizedRotatingKVCache = cache_class(QuantizedRotatingKVCache, _BaseCache)
+_quantize_update = pasted_into("mlx_lm.models.cache", _quantize_update)
+QuantizedRotatingKVCache = cache_class(
+    "mlx_lm.models.cache", QuantizedRotatingKVCache, RotatingKVCache
+)
 
 PATCH = Patch(
     "quantized_ring",
     "RotatingKVCache.to_quantized: a preallocated quantized sliding window",
     [
+        Target("mlx_lm.models.cache", "_quantize_update", _quantize_update, None),
         Target(
             "mlx_lm.models.cache",
             "QuantizedRotatingKVCache",
             QuantizedRotatingKVCache,
             None,
-        )
+        ),
     ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
@@ -232,4 +216,10 @@ PATCH = Patch(
         {"to_quantized": "09de7569e6f4"},
     ),
     requires=("rotating_prealloc", "quantized_cache"),
+    uses={
+        "mlx_lm.models.cache": (
+            "RotatingKVCache",
+            "mx",
+        )
+    },
 )

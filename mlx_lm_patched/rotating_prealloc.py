@@ -199,4 +199,5 @@ PATCH = Patch(
             "_update_in_place": "72480bc8fe40",
         },
     ),
+    uses={"mlx_lm.models.cache": ("mx",)},
 )

@@ -1,0 +1,170 @@
+"""``BatchGenerator(kv_bits=...)``: batches quantize their caches like ``generate_step``.
+
+Upstream's ``BatchGenerator`` (and so ``batch_generate`` and the server's
+batching) has no ``kv_bits``: batched generation always keeps full-precision
+caches (ml-explore/mlx-lm#118, #126). Here it takes ``kv_bits``,
+``kv_group_size`` and ``quantized_kv_start`` with ``generate_step``'s
+meaning: after every model call, prefill chunk or decode step alike, a
+batch's cache is quantized once its longest row (padding included) has
+``quantized_kv_start`` tokens, so a batch of one gives the tokens
+``generate_step`` gives. ``_extend_cache`` quantizes a batch joining a
+quantized one.
+"""
+
+import functools
+from typing import List, Optional, Sequence
+
+import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+from mlx_lm.sample_utils import LogitsProcessor, Sampler
+
+from ._registry import Patch, Target, class_patch, pasted_into
+
+# Written as they would read in mlx_lm/generate.py, and run there.
+
+
+def maybe_quantize_batch_cache(
+    prompt_cache, quantized_kv_start, kv_group_size, kv_bits
+):
+    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once its
+    timeline (its longest row, padding included) has ``quantized_kv_start``
+    columns, read on the host so that decoding never waits for it."""
+    if kv_bits is None:
+        return
+    for e, c in enumerate(prompt_cache):
+        if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
+            continue
+        columns = c._offset if hasattr(c, "_offset") else c._idx
+        if columns >= quantized_kv_start:
+            prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def _extend_cache(cache_a, cache_b):
+    if not cache_a:
+        return cache_b
+    if not cache_b:
+        return cache_a
+    for i, (ca, cb) in enumerate(zip(cache_a, cache_b)):
+        # One batch quantized, the other not yet: quantize it too.
+        if hasattr(cb, "bits") and not hasattr(ca, "bits"):
+            cache_a[i] = ca = ca.to_quantized(group_size=cb.group_size, bits=cb.bits)
+        ca.extend(cb)
+    return cache_a
+
+
+class _QuantizingModel:
+    """``model``, calling ``quantize`` on the cache after every call."""
+
+    def __init__(self, model: nn.Module, quantize):
+        self.model = model
+        self.quantize = quantize
+
+    def __call__(self, *args, cache=None, **kwargs):
+        out = self.model(*args, cache=cache, **kwargs)
+        self.quantize(cache)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class BatchGenerator:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tokens: int = 128,
+        stop_tokens: Optional[Sequence[Sequence[int]]] = None,
+        sampler: Optional[Sampler] = None,
+        logits_processors: Optional[List[LogitsProcessor]] = None,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        max_kv_size: Optional[int] = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+        stream=None,
+    ):
+        # As in generate_step: after each model call, a cache is quantized
+        # once its longest row has seen ``quantized_kv_start`` tokens.
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.quantized_kv_start = quantized_kv_start
+        if kv_bits is not None:
+            model = _QuantizingModel(
+                model,
+                functools.partial(
+                    maybe_quantize_batch_cache,
+                    quantized_kv_start=quantized_kv_start,
+                    kv_group_size=kv_group_size,
+                    kv_bits=kv_bits,
+                ),
+            )
+        self.model = model
+        self.max_tokens = max_tokens
+        self.sampler = sampler or greedy_sampler
+        self.logits_processors = logits_processors or []
+        self.uid_count = 0
+        self.prefill_step_size = prefill_step_size
+        self.prefill_batch_size = prefill_batch_size
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.max_kv_size = max_kv_size
+
+        self._stream = stream or generation_stream
+
+        self._default_stop_sequences = StopSequences(
+            stop_tokens if stop_tokens else None,
+        )
+        self._uid_count = 0
+        self._prompt_batch = PromptProcessingBatch.empty(
+            self.model,
+            self.sampler,
+            prefill_step_size=prefill_step_size,
+        )
+        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._unprocessed_sequences = deque()
+        self._currently_processing = []
+
+        self._counters = BatchCounters()
+
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
+
+
+PATCH = Patch(
+    "batch_generator_kv_bits",
+    "BatchGenerator and batch_generate take kv_bits, kv_group_size and "
+    "quantized_kv_start",
+    [
+        Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), None)
+        for name, f in (
+            ("maybe_quantize_batch_cache", maybe_quantize_batch_cache),
+            ("_QuantizingModel", _QuantizingModel),
+        )
+    ]
+    + [
+        Target(
+            "mlx_lm.generate",
+            "_extend_cache",
+            pasted_into("mlx_lm.generate", _extend_cache),
+            "15c766408c4c",
+        ),
+    ]
+    + class_patch(
+        "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
+    ),
+    requires=("batch_quantized",),
+    uses={
+        "mlx_lm.generate": (
+            "BatchCounters",
+            "GenerationBatch",
+            "PromptProcessingBatch",
+            "StopSequences",
+            "deque",
+            "functools",
+            "generation_stream",
+            "greedy_sampler",
+            "maybe_set_recommended_wired_limit",
+        )
+    },
+)

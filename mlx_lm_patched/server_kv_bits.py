@@ -1,0 +1,297 @@
+"""The server keeps batching with ``--kv-bits``.
+
+Upstream's server serves every request one at a time once ``--kv-bits`` is
+given (``_is_batchable``), because ``BatchGenerator`` had no ``kv_bits``.
+With ``batch_generator_kv_bits`` it has: requests are batched as without
+``--kv-bits``, and ``_generate`` hands the server's ``--kv-bits``,
+``--kv-group-size`` and ``--quantized-kv-start`` to its ``BatchGenerator``.
+"""
+
+from ._registry import Patch, class_patch
+
+
+# Written as it reads in mlx_lm/server.py, and run there.
+class ResponseGenerator:
+    def _is_batchable(self, args):
+        return self.model_provider.is_batchable and args.seed is None
+
+    def _generate(self):
+        # Local thread stream that we 'll pass to the BatchGenerator to make
+        # sure that all generation runs in the same stream as the
+        # synchronization messages.
+        generation_stream = mx.default_stream(mx.default_device())
+
+        # Load the default model if it is given
+        self.model_provider.load_default()
+
+        current_model = None
+        current_tokenizer = None
+        current_model_key = None
+        batch_generator = None
+        drain_batch = False
+        batch_results = {}
+
+        unprocessed_requests = []
+
+        def get_next_request(timeout=None):
+            if unprocessed_requests:
+                return unprocessed_requests.pop()
+            else:
+                return self._next_request(timeout)
+
+        if self._is_distributed:
+            seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
+            mx.random.seed(seed)
+
+        while not self._stop:
+            request = None
+            if not drain_batch:
+                timeout = (
+                    None
+                    if (batch_generator is not None and len(batch_results) > 0)
+                    else 0.1
+                )
+                request = get_next_request(timeout=timeout)
+
+            # We got a request
+            if request is not None:
+                rqueue, request, args = request
+
+                # Requests with images are served sequentially.
+                batchable = self._is_batchable(args) and not any(
+                    _image_parts(request.messages)
+                )
+
+                # Can it be added to the current batch?
+                if (
+                    batch_generator is not None
+                    and current_model == args.model
+                    and batchable
+                ):
+                    try:
+                        prompt, segments, segment_types, initial_state, _ = (
+                            self._tokenize(current_tokenizer, request, args)
+                        )
+                    except Exception as e:
+                        rqueue.put(e)
+                        continue
+
+                    stop_sequences, text_sm = self._make_state_machine(
+                        self.model_provider.model_key,
+                        current_tokenizer,
+                        args.stop_words,
+                    )
+
+                    self._log_cache_stats()
+                    cache, rest = self.prompt_cache.fetch_nearest_cache(
+                        current_model_key, prompt
+                    )
+                    prompt_cache_count = len(prompt) - len(rest)
+                    N = prompt_cache_count
+                    while N > 0:
+                        if N >= len(segments[0]):
+                            N -= len(segments.pop(0))
+                            segment_types.pop(0)
+                        else:
+                            segments[0] = segments[0][N:]
+                            break
+
+                    ctx = GenerationContext(
+                        has_tool_calling=current_tokenizer.has_tool_calling,
+                        has_thinking=current_tokenizer.has_thinking,
+                        tool_parser=current_tokenizer.tool_parser,
+                        text_sm=text_sm,
+                        initial_state=initial_state,
+                        prompt=prompt,
+                        prompt_cache_count=prompt_cache_count,
+                    )
+                    rqueue.put(ctx)
+
+                    (uid,) = batch_generator.insert_segments(
+                        segments=[segments],
+                        max_tokens=[args.max_tokens],
+                        caches=[cache],
+                        all_tokens=[prompt[:prompt_cache_count]],
+                        samplers=[_make_sampler(args, current_tokenizer)],
+                        logits_processors=[_make_logits_processors(args)],
+                        stop_sequences=[stop_sequences],
+                    )
+                    batch_results[uid] = {
+                        "ctx": ctx,
+                        "rqueue": rqueue,
+                        "detokenizer": current_tokenizer.detokenizer,
+                        "segment_types": segment_types[::-1],
+                        "top_logprobs": args.top_logprobs,
+                    }
+                    # just making sure we don't leave a reference around
+                    del cache
+
+                    if self.model_provider.cli_args.prompt_cache_bytes is not None:
+                        total = self.model_provider.cli_args.prompt_cache_bytes
+                        active = batch_generator.prompt_cache_nbytes
+                        self.prompt_cache.trim_to(n_bytes=total - active)
+                    continue
+
+                # No batch generator. Load the model and if it's not
+                # batchable serve sequential, o/w make a batch generaotr and
+                # serve batched
+                elif batch_generator is None:
+                    try:
+                        model, tokenizer = self.model_provider.load(
+                            args.model.model, args.model.adapter, args.model.draft
+                        )
+                    except Exception as e:
+                        rqueue.put(e)
+                        continue
+
+                    if not batchable:
+                        self._serve_single((rqueue, request, args), generation_stream)
+                        continue
+
+                    current_model = args.model
+                    current_tokenizer = tokenizer
+                    current_model_key = self.model_provider.model_key
+                    batch_results = {}
+                    batch_generator = BatchGenerator(
+                        model,
+                        completion_batch_size=self.cli_args.decode_concurrency,
+                        prefill_batch_size=self.cli_args.prompt_concurrency,
+                        prefill_step_size=self.cli_args.prefill_step_size,
+                        stream=generation_stream,
+                        kv_bits=self.cli_args.kv_bits,
+                        kv_group_size=self.cli_args.kv_group_size,
+                        quantized_kv_start=self.cli_args.quantized_kv_start,
+                    )
+                    unprocessed_requests.append((rqueue, request, args))
+                    continue
+
+                # We have a batch but this request cannot be added to the
+                # batch so drain it to process the request.
+                else:
+                    drain_batch = True
+                    unprocessed_requests.append((rqueue, request, args))
+                    continue
+
+            # No request so serve from the current batch
+            elif batch_generator is not None:
+                if len(batch_results) == 0:
+                    if drain_batch:
+                        current_model = None
+                        current_tokenizer = None
+                        current_model_key = None
+                        batch_generator.close()
+                        batch_generator = None
+                        drain_batch = False
+                    continue
+
+                uids_to_remove = []
+                for _ in self._time_budget:
+                    prompt_responses, gen_responses = batch_generator.next()
+                    if not prompt_responses and not gen_responses:
+                        break
+
+                    # Progress report for prompt processing
+                    for r in prompt_responses:
+                        result = batch_results[r.uid]
+                        result["rqueue"].put(r.progress)
+                        if result["ctx"]._should_stop:
+                            uids_to_remove.append(r.uid)
+
+                    # Save the caches at end of segments
+                    eos_ids = [
+                        r.uid
+                        for r in prompt_responses
+                        if r.end_of_segment
+                        and not r.end_of_prompt
+                        and batch_results[r.uid]["segment_types"]
+                    ]
+                    caches = batch_generator.extract_cache(eos_ids)
+                    for uid, (cache, cache_key) in caches.items():
+                        self.prompt_cache.insert_cache(
+                            self.model_provider.model_key,
+                            cache_key[:],
+                            cache,
+                            cache_type=batch_results[uid]["segment_types"].pop(),
+                        )
+                    del caches
+
+                    for r in gen_responses:
+                        result = batch_results[r.uid]
+
+                        # Don't decode the final stop token
+                        if r.finish_reason == "stop":
+                            result["detokenizer"].finalize()
+                            text = result["detokenizer"].last_segment
+                        elif r.finish_reason == "length":
+                            result["detokenizer"].add_token(r.token)
+                            result["detokenizer"].finalize()
+                            text = result["detokenizer"].last_segment
+                        else:
+                            result["detokenizer"].add_token(r.token)
+                            text = result["detokenizer"].last_segment
+
+                        result["rqueue"].put(
+                            Response(
+                                text,
+                                r.token,
+                                r.logprobs[r.token].item(),
+                                r.finish_reason,
+                                _format_top_logprobs(
+                                    r.logprobs,
+                                    result["top_logprobs"],
+                                    current_tokenizer,
+                                ),
+                            )
+                        )
+
+                        if r.finish_reason is not None:
+                            result["rqueue"].put(None)
+                            self.prompt_cache.insert_cache(
+                                current_model_key,
+                                r.all_tokens[:],
+                                r.prompt_cache,
+                                cache_type="assistant",
+                            )
+                            del batch_results[r.uid]
+
+                        if result["ctx"]._should_stop:
+                            uids_to_remove.append(r.uid)
+
+                uids_to_remove = self._share_object(uids_to_remove)
+                if uids_to_remove:
+                    batch_generator.remove(uids_to_remove)
+                    for uid in uids_to_remove:
+                        # It may have already been removed during
+                        # generation
+                        batch_results.pop(uid, None)
+
+        # Make sure the model and prompt cache are destroyed in the generation
+        # thread under same stream.
+        self.model_provider.reset()
+        del self.prompt_cache
+        gc.collect()
+
+
+PATCH = Patch(
+    "server_kv_bits",
+    "server: batch requests with --kv-bits, passing it to BatchGenerator",
+    class_patch(
+        "mlx_lm.server:ResponseGenerator",
+        ResponseGenerator,
+        {"_is_batchable": "329f82e54a80", "_generate": "1531444ae206"},
+    ),
+    requires=("batch_generator_kv_bits",),
+    uses={
+        "mlx_lm.server": (
+            "BatchGenerator",
+            "GenerationContext",
+            "Response",
+            "_format_top_logprobs",
+            "_image_parts",
+            "_make_logits_processors",
+            "_make_sampler",
+            "gc",
+            "mx",
+        )
+    },
+)

@@ -102,8 +102,12 @@ PATCH = Patch(
     ],
     uses={
         "mlx_lm.models.cache": (
+            "Any",
             "KVCache",
+            "List",
+            "Optional",
             "RotatingKVCache",
+            "nn",
         )
     },
 )

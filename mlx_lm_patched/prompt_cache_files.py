@@ -105,6 +105,8 @@ PATCH = Patch(
     ],
     uses={
         "mlx_lm.models.cache": (
+            "Any",
+            "Dict",
             "_BaseCache",
             "mx",
             "tree_unflatten",

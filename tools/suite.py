@@ -225,5 +225,7 @@ def against_unpatched(
             tail = run.log.read_text()[-3000:]
             return [f"the {run.label} run reported nothing"], f"{run.log}:\n{tail}"
     names = [f.split("::")[0] for f in files]
-    removed = defined_tests(pristine / "tests", names) - defined_tests(tree / "tests", names)
+    removed = defined_tests(pristine / "tests", names) - defined_tests(
+        tree / "tests", names
+    )
     return compare_runs(names, *runs, removed=removed)

@@ -19,8 +19,9 @@ import mlx_lm_patched
 from mlx_lm_patched import _registry
 from mlx_lm_patched._registry import REMOVED, Patch, Target, class_patch
 from tools import rewrite, testedits
-from tools.check import check_patches, check_uses
-from tools.dep3 import today
+from tools.check import added_tests_fail_before, check_patches, check_uses
+from tools.dep3 import bug_links, today
+from tools.hub import build_hub_standins
 from tools.release import check_targets
 from tools.rewrite import GenerateError, reindent
 from tools.sdist import fresh_tree
@@ -425,3 +426,34 @@ def test_test_edit_that_does_not_match_once_is_an_error(sdist, monkeypatch):
     patch = _with_tests(monkeypatch, _throwaway(), EDIT={rel: [("self.", "me.")]})
     with pytest.raises(GenerateError, match="found [0-9]+ times, not once"):
         generate([patch], sdist, Path("/nonexistent"))
+
+
+@pytest.mark.slow
+def test_added_test_passing_without_its_patch_is_flagged(sdist, tmp_path, monkeypatch):
+    """check-patches runs each patch's tests on the source before it: one
+    that passes there does not test the patch."""
+    rel = "tests/test_prompt_cache.py"
+    patches = [
+        _with_tests(
+            monkeypatch, _throwaway(), ADD={rel: [TestPromptCache, TestThrowaway]}
+        )
+    ]
+    series = generate(patches, sdist, tmp_path / "patches")
+    build_hub_standins(tmp_path)
+    assert added_tests_fail_before(series, patches, tmp_path) == [
+        "test_prompt_cache.py::TestPromptCache::test_throwaway_size_is_offset "
+        "(01-throwaway.patch) passes without the patch: it does not test it"
+    ]
+
+
+def test_bug_lines_cite_issues_not_pull_requests():
+    doc = (
+        "Upstream fails (ml-explore/mlx-lm#118, #126; PRs #941,\n #1322 and #1343\n"
+        "closed unmerged; see https://github.com/ml-explore/mlx-lm/pull/7 and\n"
+        "https://github.com/ml-explore/mlx-lm/issues/8, PR #9), #118 again."
+    )
+    assert bug_links(doc) == [
+        "https://github.com/ml-explore/mlx-lm/issues/118",
+        "https://github.com/ml-explore/mlx-lm/issues/126",
+        "https://github.com/ml-explore/mlx-lm/issues/8",
+    ]

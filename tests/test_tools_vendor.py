@@ -3,6 +3,7 @@ and what ``pip install`` of this project ships."""
 
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -215,9 +216,13 @@ def test_vendored_wheel_matches_monkeypatched_package(sdist, tmp_path):
 @pytest.mark.slow
 def test_project_wheel_ships_only_the_runtime_package(tmp_path):
     """tools/ (release tooling) and tests/ stay out of ``pip install``."""
+    # Built from a copy: setuptools builds in the source tree.
+    skip = (".*", "build", "dist", "*.egg-info", "__pycache__")
+    src = shutil.copytree(ROOT, tmp_path / "src", ignore=shutil.ignore_patterns(*skip))
+    assert (src / "tools" / "__main__.py").exists()
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q"]
     r = subprocess.run(
-        cmd + ["--disable-pip-version-check", "-w", str(tmp_path), str(ROOT)],
+        cmd + ["--disable-pip-version-check", "-w", str(tmp_path), str(src)],
         capture_output=True,
         text=True,
     )

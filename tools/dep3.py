@@ -1,6 +1,6 @@
 """A patch's DEP-3 header: ``Description:`` (the patch's summary, then the
 docstring of the module defining it), ``Origin:``, ``Bug:`` (the mlx-lm
-issues and pull requests that docstring cites), ``Forwarded: no``,
+issues that docstring cites; pull requests it names are left out), ``Forwarded: no``,
 ``Last-Update:`` (changed only when the rest of the patch file changes).
 
 References to this project's own issues ("(issue 4)") are left out: the
@@ -21,15 +21,19 @@ from .rewrite import patch_module
 
 ISSUES = "https://github.com/ml-explore/mlx-lm/issues/"
 _BUG = re.compile(
-    r"https://github\.com/ml-explore/mlx-lm/(?:issues|pull)/(\d+)"
+    r"https://github\.com/ml-explore/mlx-lm/issues/(\d+)"
     r"|ml-explore/mlx-lm#(\d+)|(?<![\w/])#(\d+)\b"
 )
+# "PR #941", "PRs #941, #1322 and #1343": pull requests, not bugs.
+_PULLS = re.compile(r"\bPRs?\s+(?:(?:ml-explore/mlx-lm)?#\d+(?:,\s+|\s+and\s+|\b))+")
 # "(issue 4)", "(issues 4, 7)", "(issue 7: ...)": this project's tracker.
 _OWN_ISSUE = re.compile(r" ?\(issues? \d+(?:, \d+)*(?:[:;][^)]*)?\)")
 
 
 def bug_links(text: str) -> List[str]:
-    """The mlx-lm issue URLs ``text`` cites, in order, once each."""
+    """The mlx-lm issue URLs ``text`` cites (pull requests left out), in
+    order, once each."""
+    text = _PULLS.sub("", text)
     found = [ISSUES + next(g for g in m.groups() if g) for m in _BUG.finditer(text)]
     return list(dict.fromkeys(found))
 

@@ -178,7 +178,7 @@ def source_from_text(
 # -- names ----------------------------------------------------------------------
 
 
-def _global_reads(top: symtable.SymbolTable) -> Tuple[Set[str], Set[str]]:
+def _bound_and_read(top: symtable.SymbolTable) -> Tuple[Set[str], Set[str]]:
     """``(bound, read)``: names ``top`` binds, and the global names read
     anywhere in it or in the scopes nested in it."""
     symbols = top.get_symbols()
@@ -203,7 +203,7 @@ def _global_reads(top: symtable.SymbolTable) -> Tuple[Set[str], Set[str]]:
 
 def undefined_names(text: str, filename: str) -> Set[str]:
     """Global names the module's code reads but never binds."""
-    bound, read = _global_reads(symtable.symtable(text, filename, "exec"))
+    bound, read = _bound_and_read(symtable.symtable(text, filename, "exec"))
     return read - bound - _BUILTINS
 
 
@@ -216,5 +216,5 @@ def free_names(source: str) -> Set[str]:
 
 def module_names(text: str) -> Set[str]:
     """Names the module body binds: definitions, assignments, imports."""
-    bound, _ = _global_reads(symtable.symtable(text, "<module>", "exec"))
+    bound, _ = _bound_and_read(symtable.symtable(text, "<module>", "exec"))
     return bound

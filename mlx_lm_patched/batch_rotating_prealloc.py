@@ -42,6 +42,10 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks.
 
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
+        if max_size < 1:
+            raise ValueError(
+                f"BatchRotatingKVCache: max_size must be >= 1, got {max_size}"
+            )
         self.keys = None
         self.values = None
 
@@ -49,7 +53,7 @@ class BatchRotatingKVCache:
         self.offset = mx.array([-l for l in left_padding])
 
         self.max_size = max_size
-        self.keep = keep
+        self.keep = min(keep, max_size - 1)  # as in RotatingKVCache
         self._idx = keep
         self._offset = 0
         self.rotated = False
@@ -123,23 +127,29 @@ class BatchRotatingKVCache:
         window = self.max_size - self.keep
         n = min(self._offset, window)
         m = min(n, window - 1)
-        order = mx.array(self._order()[n - m :], mx.int32)
-        seen = []
+        order = self._order()
+        seen, dropped = [], []
         for cache, new in ((self.keys, keys), (self.values, values)):
             B, H, S, D = new.shape
             seen.append(mx.zeros((B, H, self.keep + m + S, D), new.dtype))
             seen[-1][..., : self.keep, :] = cache[..., : self.keep, :]
-            seen[-1][..., self.keep : self.keep + m, :] = cache[..., order, :]
+            live = mx.array(order[n - m :], mx.int32)
+            seen[-1][..., self.keep : self.keep + m, :] = cache[..., live, :]
             seen[-1][..., self.keep + m :, :] = new
+            # The oldest column, which attention no longer sees: right padding
+            # rolls over it too, and it may be a short row's first token.
+            if self._lengths is not None:
+                dropped.append(cache[..., mx.array(order[: n - m], mx.int32), :])
         # Done reading the ring: evaluate now so the writes below reuse its buffer.
-        mx.eval(seen)
+        mx.eval(seen, dropped)
         self._offset += S
         self.offset = self.offset + S
         kept = [c[..., self.keep :, :] for c in seen]
         # Padding must not take the place of real tokens in the ring.
         if self._lengths is not None:
+            kept = [mx.concatenate(c, axis=2) for c in zip(dropped, kept)]
             kept = self._roll_right_padding(kept)
-        self._rewrite([c[..., m + S - window :, :] for c in kept])
+        self._rewrite([c[..., -window:, :] for c in kept])
         self.left_padding -= n + S - window
         return tuple(seen)
 
@@ -250,8 +260,9 @@ class BatchRotatingKVCache:
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
         # A row sees its sinks up to its own position, and the real columns
-        # past its sinks among the ``window_size - keep`` newest.
-        window = (window_size or self.max_size) - self.keep
+        # past its sinks among the ``window - keep`` newest; ``window`` is the
+        # model's ``window_size`` capped at the ring, as in RotatingKVCache.
+        window = min(window_size or self.max_size, self.max_size) - self.keep
         columns = self.max_size - self.keep
         n = min(self._offset, columns)
         wraps = N == 1 and self._offset >= columns

@@ -6,8 +6,11 @@ ignore it, so ``generate --max-kv-size 512`` grows the cache without bound.
 Here, when the caller asks for a bound, full-attention ``KVCache`` layers
 become ``RotatingKVCache(max_kv_size, keep=4)`` (what upstream gives models
 without ``make_cache``), sliding layers keep their window unless it is
-larger than ``max_kv_size``, and every other cache is left as it is. Which
-layers changed is logged once per model class and change.
+larger than ``max_kv_size`` (masks then cap the model's ``window_size`` at
+the ring), and every other cache is left as it is. Which layers changed is a
+``UserWarning``, once per model class and change, so ``generate`` shows it on
+stderr. A ``max_kv_size`` below 1 raises ``ValueError`` before anything is
+built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
 """
 
 from typing import Any, List, Optional
@@ -19,35 +22,45 @@ from ._registry import Patch, Target, pasted_into
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).
 
-_bounded_logged = set()  # (model class, changes) already logged
+_bounded_logged = set()  # (model class, changes) already reported
 
 
 def _bound_layers(model, cache: List[Any], max_kv_size: int):
     """Bound ``model``'s ``cache`` in place to ``max_kv_size`` tokens a layer;
-    log which layers changed, once per model class and change."""
-    import logging
+    warn which layers changed, once per model class and change."""
+    import warnings
 
-    changed = []
+    changed = {}  # change -> the layers it applies to
     for i, c in enumerate(cache):
         if type(c) is KVCache:
             cache[i] = RotatingKVCache(max_size=max_kv_size, keep=4)
-            changed.append(f"{i}: KVCache -> RotatingKVCache({max_kv_size}, keep=4)")
+            change = "KVCache"
         elif type(c) is RotatingKVCache and c.max_size > max_kv_size:
             cache[i] = RotatingKVCache(max_size=max_kv_size, keep=c.keep)
-            changed.append(
-                f"{i}: RotatingKVCache({c.max_size}) -> "
-                f"RotatingKVCache({max_kv_size}, keep={c.keep})"
-            )
-    key = (type(model).__qualname__, tuple(changed))
+            change = f"RotatingKVCache({c.max_size})"
+        else:
+            continue
+        change += f" -> RotatingKVCache({max_kv_size}, keep={cache[i].keep})"
+        changed.setdefault(change, []).append(i)
+    key = (type(model).__qualname__, tuple((c, tuple(v)) for c, v in changed.items()))
     if changed and key not in _bounded_logged:
         _bounded_logged.add(key)
-        logging.getLogger(__name__).info(
-            "max_kv_size=%d: bounded %d of %d cache layers of %s (%s)",
-            max_kv_size,
-            len(changed),
-            len(cache),
-            type(model).__qualname__,
-            "; ".join(changed),
+        parts = []
+        for c, layers in changed.items():
+            runs = []  # consecutive layers as [first, last]
+            for i in layers:
+                if runs and runs[-1][1] == i - 1:
+                    runs[-1][1] = i
+                else:
+                    runs.append([i, i])
+            spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+            parts.append(f"layer{'s' * (len(layers) > 1)} {spans}: {c}")
+        # A warning, not a log record: CLI users see it on stderr.
+        warnings.warn(
+            f"max_kv_size={max_kv_size} bounds "
+            f"{sum(map(len, changed.values()))} of {len(cache)} cache layers of "
+            f"{type(model).__qualname__}: " + "; ".join(parts),
+            stacklevel=3,
         )
 
 
@@ -63,10 +76,15 @@ def make_prompt_cache(
 
     Args:
         model (nn.Module): The language model.
-        max_kv_size (Optional[int]): If provided, full-attention layers use a
-            ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping the first
-            4) and sliding layers a window no larger than ``max_kv_size``.
+        max_kv_size (Optional[int]): If provided (at least 1), full-attention
+            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
+            the first 4) and sliding layers a window no larger than
+            ``max_kv_size``.
     """
+    if max_kv_size is not None and max_kv_size < 1:
+        raise ValueError(
+            f"max_kv_size must be >= 1 (tokens a layer), got {max_kv_size}"
+        )
     if hasattr(model, "make_cache"):
         cache = model.make_cache()
         if max_kv_size is not None:

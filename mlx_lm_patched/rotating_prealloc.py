@@ -59,6 +59,18 @@ class RotatingKVCache:
     #   rotated order, the oldest at ``_idx`` (at ``keep`` when ``_idx == max_size``).
     # This is upstream's layout after its trims, so decode sees the same arrays.
 
+    def __init__(self, max_size, keep=0):
+        if max_size < 1:
+            raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
+        # The newest token needs a slot of its own: a ring no larger than
+        # ``keep`` keeps ``max_size - 1`` first tokens.
+        self.keep = min(keep, max_size - 1)
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self.max_size = max_size
+        self._idx = 0
+
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
         B, H, _, Dk = keys.shape
@@ -154,16 +166,19 @@ class RotatingKVCache:
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
         # A key is visible if it is one of the ``keep`` first tokens or among
-        # the ``window_size - keep`` newest, so chunks and decode agree.
-        window = (window_size or self.max_size) - self.keep
+        # the ``window - keep`` newest. ``window`` is the model's
+        # ``window_size`` capped at the ring (a sliding layer shrunk by
+        # ``max_kv_size``), so chunks and decode agree.
+        window = min(window_size or self.max_size, self.max_size)
         if N > 1:
             offset = min(self.max_size - 1, self.offset)
-            if offset + N <= window + self.keep and not return_array:
+            if offset + N <= window and not return_array:
                 return "causal"
             rinds = mx.arange(offset + N)
             linds = mx.arange(offset, offset + N)[:, None]
-            return (linds >= rinds) & ((linds < rinds + window) | (rinds < self.keep))
-        if window_size is None or self.offset < window_size:
+            recent = linds < rinds + window - self.keep
+            return (linds >= rinds) & (recent | (rinds < self.keep))
+        if window == self.max_size or self.offset < window:
             return None
         slots = mx.arange(min(self.offset + 1, self.max_size))
         if self.offset < self.max_size:
@@ -172,7 +187,7 @@ class RotatingKVCache:
             idx = self.keep if self._idx == self.max_size else self._idx
             ring = self.max_size - self.keep
             distance = (idx - slots) % ring
-        return (slots < self.keep) | (distance < window)
+        return (slots < self.keep) | (distance < window - self.keep)
 
 
 PATCH = Patch(
@@ -186,6 +201,7 @@ PATCH = Patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {
+            "__init__": "e0dcbbd9ab98",
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",

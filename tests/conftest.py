@@ -6,6 +6,7 @@ left them, and whatever it applies or reverts is undone afterwards.
 
 import json
 
+import mlx.core as mx
 import pytest
 
 import mlx_lm_patched
@@ -30,6 +31,15 @@ def _restore_patch_state():
 def patched():
     """All of ``PATCHES`` applied (drift is an error here); yields their names."""
     yield mlx_lm_patched.apply(strict=True)
+
+
+@pytest.fixture(scope="module")
+def exact_active_memory():
+    """No buffer reuse: a reused larger block would count its own size."""
+    limit = mx.set_cache_limit(0)
+    mx.clear_cache()
+    yield
+    mx.set_cache_limit(limit)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""What attention must see through a rotating cache, and upstream twins to compare.
+"""Shared test helpers: what attention must see through a rotating cache,
+upstream twins to compare, bit-exact comparison, random keys and values.
 
 The reference keeps every token and admits, for a query at absolute position
 ``q``, the first ``keep`` tokens and the ``window - keep`` newest up to ``q``:
@@ -51,8 +52,58 @@ def save_load(cache):
     return cache
 
 
-def random_kv(*shape):
-    return mx.random.normal(shape), mx.random.normal(shape)
+def random_kv(*shape, dtype=mx.float32):
+    return mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
+
+
+def same(a, b):
+    """Bit-exact equality of arrays (dtype and shape too), of tuples and lists
+    of them, and of plain values."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, mx.array) and isinstance(b, mx.array):
+        return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
+    return type(a) is type(b) and a == b
+
+
+# Token prompts of different lengths, for batches.
+PROMPTS = [list(range(1, 30)), list(range(5, 17)), list(range(40, 90))]
+
+
+def single_stream(model, prompt, steps, cache=None, max_kv_size=None, **kwargs):
+    """Greedy tokens of one ``generate_step`` stream, and its cache."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model, max_kv_size) if cache is None else cache
+    gen = generate_step(
+        mx.array(prompt), model, max_tokens=steps, prompt_cache=cache, **kwargs
+    )
+    return [t for t, _ in gen], cache
+
+
+def active():
+    """Bytes MLX holds once garbage is collected."""
+    import gc
+
+    gc.collect()
+    return mx.get_active_memory()
+
+
+def same_mask(fp, q):
+    """Equal masks, an fp ring's single-query vector as the quantized ring's row."""
+    if isinstance(fp, mx.array) and fp.ndim == 1:
+        fp = fp[None]
+    return same(fp, q)
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def data_pointer(a):

@@ -1,20 +1,14 @@
-"""Batched quantized caches: BatchGenerator(kv_bits=...) rows equal their single streams."""
+"""Batched quantized caches: merge, filter, extend, extract and save/load
+bit-exact; batched prompt caches give their single streams' tokens."""
 
 import copy
 import inspect
-import json
+import itertools
 import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
-from mlx_lm.models import cache as cache_module
+from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
@@ -22,35 +16,10 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     RotatingKVCache,
     load_prompt_cache,
+    make_prompt_cache,
     save_prompt_cache,
 )
-
-PROMPTS = [list(range(1, 30)), list(range(5, 17)), list(range(40, 90))]
-
-
-def make_prompt_cache(model, max_kv_size=None):
-    return cache_module.make_prompt_cache(model, max_kv_size)
-
-
-def random_kv(*shape):
-    return mx.random.normal(shape), mx.random.normal(shape)
-
-
-def same(a, b):
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, mx.array):
-        return a.shape == b.shape and mx.array_equal(a, b).item()
-    return a == b
-
-
-def single(model, prompt, steps, cache=None, max_kv_size=None, **kwargs):
-    """Greedy tokens of one stream, and its cache."""
-    cache = make_prompt_cache(model, max_kv_size) if cache is None else cache
-    gen = generate_step(
-        mx.array(prompt), model, max_tokens=steps, prompt_cache=cache, **kwargs
-    )
-    return [t for t, _ in gen], cache
+from ringref import PROMPTS, attend, random_kv, same, single_stream
 
 
 def quantized(n, bits=8, seed=0):
@@ -61,37 +30,10 @@ def quantized(n, bits=8, seed=0):
     return c
 
 
-@pytest.mark.parametrize(
-    "family, bits, max_kv_size",
-    [
-        ("llama", 8, None),
-        ("llama", 4, None),
-        ("gemma3_text", 4, None),
-        ("llama", 8, 40),
-    ],
-)
-def test_batched_rows_equal_their_single_streams_token_for_token(
-    patched, load_tiny, family, bits, max_kv_size
-):
-    model, tokenizer = load_tiny(family)
-    kw = dict(kv_bits=bits, quantized_kv_start=0, max_kv_size=max_kv_size)
-    out = batch_generate(
-        model, tokenizer, PROMPTS, max_tokens=40, return_token_ids=True,
-        return_prompt_caches=True, **kw,
-    )  # fmt: skip
-    for prompt, tokens, caches in zip(PROMPTS, out.token_ids, out.caches):
-        want, cache = single(model, prompt, 40, **kw)
-        # A row stops at the end of sequence token, a single stream goes on.
-        assert tokens == want[: len(tokens)]
-        assert len(tokens) == 40 or want[len(tokens)] in tokenizer.eos_token_ids
-        assert [type(c) for c in caches] == [type(c) for c in cache]
-        assert all(hasattr(c, "bits") for c in caches)
-
-
 def test_quantized_prompt_caches_can_be_batched(patched, load_tiny):
     model, tokenizer = load_tiny("llama")
     kw = dict(kv_bits=8, quantized_kv_start=0)
-    caches = [single(model, p, 1, **kw)[1] for p in PROMPTS]
+    caches = [single_stream(model, p, 1, **kw)[1] for p in PROMPTS]
     assert {type(c) for cache in caches for c in cache} == {QuantizedKVCache}
     more = [[7, 8, 9], [3], [11, 12]]
     out = batch_generate(
@@ -99,7 +41,7 @@ def test_quantized_prompt_caches_can_be_batched(patched, load_tiny):
         max_tokens=30, return_token_ids=True, **kw,
     )  # fmt: skip
     for p, cache, tokens in zip(more, caches, out.token_ids):
-        assert tokens == single(model, p, 30, cache=cache, **kw)[0]
+        assert tokens == single_stream(model, p, 30, cache=cache, **kw)[0]
 
 
 def test_upstream_cannot_batch_quantized_prompt_caches(upstream, load_tiny):
@@ -186,35 +128,6 @@ def test_batch_quantized_cache_survives_save_and_load_bit_exact(patched, tmp_pat
     assert same(list(loaded.state), list(batch.state))
 
 
-def test_batch_generator_takes_kv_bits(patched, load_tiny):
-    model, _ = load_tiny("llama")
-    gen = BatchGenerator(model, kv_bits=4, kv_group_size=32, quantized_kv_start=7)
-    assert (gen.kv_bits, gen.kv_group_size, gen.quantized_kv_start) == (4, 32, 7)
-    gen.close()
-
-
-def test_server_keeps_batching_with_kv_bits(patched):
-    from mlx_lm.server import ResponseGenerator
-
-    provider = SimpleNamespace(is_batchable=True, cli_args=SimpleNamespace(kv_bits=8))
-    server = SimpleNamespace(model_provider=provider)
-    assert ResponseGenerator._is_batchable(server, SimpleNamespace(seed=None))
-    # The batch generator the server makes is given its KV quantization.
-    source = inspect.getsource(ResponseGenerator._generate)
-    call = source[source.index("BatchGenerator(") :]
-    call = call[: call.index(")")]
-    for arg in ("kv_bits", "kv_group_size", "quantized_kv_start"):
-        assert f"{arg}=self.cli_args.{arg}," in call
-
-
-def test_upstream_server_serves_kv_bits_one_at_a_time(upstream):
-    from mlx_lm.server import ResponseGenerator
-
-    provider = SimpleNamespace(is_batchable=True, cli_args=SimpleNamespace(kv_bits=8))
-    server = SimpleNamespace(model_provider=provider, cli_args=provider.cli_args)
-    assert not ResponseGenerator._is_batchable(server, SimpleNamespace(seed=None))
-
-
 def ring_batch(lengths, max_size=16, keep=4, dims=64):
     """A BatchRotatingKVCache filled with right-padded prompts of ``lengths``."""
     B, S = len(lengths), max(lengths)
@@ -280,64 +193,79 @@ def test_quantized_batch_ring_survives_save_and_load_bit_exact(patched, tmp_path
     )
 
 
-@pytest.mark.parametrize("start, quantized", [(60, True), (100, False)])
-def test_batch_caches_are_quantized_once_the_longest_row_reaches_the_start(
-    patched, load_tiny, start, quantized
-):
-    model, tokenizer = load_tiny("llama")
-    out = batch_generate(
-        model, tokenizer, PROMPTS, max_tokens=20, return_prompt_caches=True,
-        kv_bits=8, quantized_kv_start=start,
-    )  # fmt: skip
-    # The longest prompt has 50 tokens: its row passes 60 but not 100.
-    kinds = {type(c) for caches in out.caches for c in caches}
-    assert kinds == ({QuantizedKVCache} if quantized else {KVCache})
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def complete(port, prompt, out):
-    body = json.dumps({"prompt": prompt, "max_tokens": 30, "temperature": 0})
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        body.encode(),
-        {"Content-Type": "application/json"},
+def ring_states(tmp_path):
+    """Rings of 16 slots, keep 4, in every state a batch may meet."""
+    mx.random.seed(3)
+    fresh = RotatingKVCache(16, keep=4)
+    fp = RotatingKVCache(16, keep=4)
+    fp.update_and_fetch(*random_kv(1, 2, 9, 64))
+    wrapped = RotatingKVCache(16, keep=4)
+    for _ in range(25):
+        wrapped.update_and_fetch(*random_kv(1, 2, 1, 64))
+    quantized_ring = RotatingKVCache(16, keep=4)
+    quantized_ring.update_and_fetch(*random_kv(1, 2, 12, 64))
+    quantized_ring = quantized_ring.to_quantized(64, 8)
+    path = str(tmp_path / "ring.safetensors")
+    save_prompt_cache(path, [wrapped.to_quantized(64, 8)])
+    loaded = load_prompt_cache(path)[0]
+    return dict(
+        fresh=fresh, fp=fp, wrapped=wrapped, quantized=quantized_ring, loaded=loaded
     )
-    with urllib.request.urlopen(request, timeout=60) as r:
-        out[prompt] = json.loads(r.read())
 
 
-def test_server_with_kv_bits_answers_concurrent_requests_on_localhost(make_tiny_dir):
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "mlx_lm_patched.server",
-        "--model", str(make_tiny_dir("llama_sliding")), "--port", str(port),
-        "--kv-bits", "8", "--quantized-kv-start", "0",
-    ]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        out = {}
-        prompts = ["The key and value cache", "A sliding window keeps", "Tests"]
-        threads = [
-            threading.Thread(target=complete, args=(port, p, out)) for p in prompts
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert set(out) == set(prompts)
-        assert all(r["usage"]["completion_tokens"] > 0 for r in out.values())
-    finally:
-        server.terminate()
-        stderr = server.communicate(timeout=30)[1].decode()
-    assert "generation thread died" not in stderr
+def attention_seen(cache, new_k, new_v, q):
+    """What one decode query attends to after ``cache`` takes ``new_k``/``new_v``,
+    keys and values dequantized if the cache is quantized."""
+    mask = cache.make_mask(1, window_size=16)  # as models do, before the update
+    k, v = cache.update_and_fetch(new_k, new_v)
+    if isinstance(k, tuple):
+        k, v = (mx.dequantize(*x, group_size=64, bits=8) for x in (k, v))
+    if isinstance(mask, mx.array) and mask.ndim == 1:
+        mask = mask[None]
+    return attend(q, k, v, mask)
+
+
+def test_rings_of_every_kind_and_state_merge_in_every_order(patched, tmp_path):
+    rings = ring_states(tmp_path)
+    new_k, new_v = random_kv(3, 2, 1, 64)
+    q = mx.random.normal((3, 2, 1, 64))
+    for order in itertools.permutations(rings, 3):
+        caches = [copy.deepcopy(rings[name]) for name in order]
+        batch = caches[0].merge(caches)
+        quantized = any(hasattr(c, "bits") for c in caches)
+        assert hasattr(batch, "bits") == quantized
+        got = attention_seen(batch, new_k, new_v, q)
+        for i, (name, cache) in enumerate(zip(order, caches)):
+            if quantized and not hasattr(cache, "bits"):
+                cache = cache.to_quantized(64, 8)
+            row = slice(i, i + 1)
+            want = attention_seen(cache, new_k[row], new_v[row], q[row])
+            assert mx.allclose(got[row], want, atol=1e-5).item(), (order, name)
+
+
+@pytest.mark.parametrize("family", ["llama_sliding", "gemma3_text"])
+def test_batch_generate_merges_fresh_and_quantized_prompt_caches_in_either_order(
+    patched, load_tiny, family
+):
+    model, tokenizer = load_tiny(family)
+    kw = dict(kv_bits=8, quantized_kv_start=0)
+    history = single_stream(model, list(range(3, 40)), 1, **kw)[1]
+    fresh = make_prompt_cache(model)
+    more = [[7, 8, 9], [11, 12]]
+    for caches in ([fresh, history], [history, fresh]):
+        out = batch_generate(
+            model, tokenizer, more, prompt_caches=copy.deepcopy(caches),
+            max_tokens=20, return_token_ids=True, **kw,
+        )  # fmt: skip
+        for prompt, cache, tokens in zip(more, caches, out.token_ids):
+            # A quantized batch holds every row quantized, a fresh one from
+            # its first token: alone, that row is the same stream.
+            alone = [c if hasattr(c, "bits") else c.to_quantized(64, 8) for c in cache]
+            want = single_stream(model, prompt, 20, cache=alone, **kw)
+            assert tokens == want[0][: len(tokens)]

@@ -24,7 +24,9 @@ class Rows:
     """A batch cache and, beside it, every real token of each row."""
 
     def __init__(self, max_size, lengths, keep=0, window=None):
-        self.max_size, self.keep, self.history, singles = max_size, keep, [], []
+        self.max_size, self.history, singles = max_size, [], []
+        # The newest token needs a slot: at most ``max_size - 1`` first tokens.
+        self.keep = min(keep, max_size - 1)
         self.window = window  # a model's window_size, below max_size
         for n in lengths:
             single = RotatingKVCache(max_size, keep)
@@ -38,26 +40,39 @@ class Rows:
     def check(self, S, lengths=None):
         """One update of ``S`` columns (rows with ``lengths`` right-padded);
         True if every real query's output equals the reference's."""
-        B = len(self.history)
-        lengths = lengths or [S] * B
-        if S not in lengths or min(lengths) < S:
-            self.cache.prepare(lengths=lengths, right_padding=[S - n for n in lengths])
-        k, v = random_kv(B, H, S, D)
-        q = mx.random.normal((B, H, S, D))
-        mask = self.cache.make_mask(S, window_size=self.window)
-        out = attend(q, *self.cache.update_and_fetch(k, v), mask)
+        return self.check_prefill([S], lengths)
+
+    def check_prefill(self, chunks, lengths=None):
+        """``sum(chunks)`` columns in ``chunks``, rows with ``lengths`` real
+        tokens right-padded (prepare, the chunks, finalize, as
+        ``PromptProcessingBatch.prompt`` does); True if every real query's
+        output equals the reference's."""
+        B, total = len(self.history), sum(chunks)
+        lengths = lengths or [total] * B
+        if min(lengths) < total:
+            padding = [total - n for n in lengths]
+            self.cache.prepare(lengths=lengths, right_padding=padding)
+        ok, start = True, 0
+        for S in chunks:
+            k, v = random_kv(B, H, S, D)
+            q = mx.random.normal((B, H, S, D))
+            mask = self.cache.make_mask(S, window_size=self.window)
+            out = attend(q, *self.cache.update_and_fetch(k, v), mask)
+            for b, length in enumerate(lengths):
+                n = min(max(length - start, 0), S)  # real queries in the chunk
+                if n == 0:
+                    continue
+                hk, hv = self.history[b]
+                offset = hk.shape[2]
+                hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
+                hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
+                self.history[b] = (hk, hv)
+                window = min(self.window or self.max_size, self.max_size)
+                mask = reference_mask(offset, n, window, self.keep)
+                ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
+                ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
+            start += S
         self.cache.finalize()
-        ok = True
-        for b, n in enumerate(lengths):
-            hk, hv = self.history[b]
-            offset = hk.shape[2]
-            hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
-            hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
-            self.history[b] = (hk, hv)
-            window = self.window or self.max_size
-            mask = reference_mask(offset, n, window, self.keep)
-            ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
-            ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
         return ok
 
     def check_extract(self, b):
@@ -67,7 +82,7 @@ class Rows:
         mask = single.make_mask(1, window_size=self.window)
         out = attend(q, *single.update_and_fetch(k, v), mask)
         hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
-        window = self.window or self.max_size
+        window = min(self.window or self.max_size, self.max_size)
         mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
         ref = attend(q, hk, hv, mask)
         return mx.allclose(out, ref, atol=1e-5).item()
@@ -75,6 +90,10 @@ class Rows:
     @property
     def B(self):
         return len(self.history)
+
+    def room(self):
+        """Columns left until the ring's window is full (0 once it is)."""
+        return max(0, self.max_size - self.keep - self.cache._offset)
 
     def save_load(self):
         self.cache = save_load(self.cache)
@@ -89,11 +108,12 @@ class Rows:
         self.history += other.history
 
 
-def random_session(rng, keep=0, window=False):
-    """Apply random batch operations; return the first that fails, or None."""
+def random_session(rng, keep=0, window=None):
+    """Apply random batch operations; return the first that fails, or None.
+    ``window``: the model's window_size minus ``max_size``, or None."""
     max_size = rng.choice([6, 8, 16])
     lengths = [rng.randint(0, 2 * max_size) for _ in range(rng.randint(1, 3))]
-    rows = Rows(max_size, lengths, keep, max_size - 2 if window else None)
+    rows = Rows(max_size, lengths, keep, None if window is None else max_size + window)
     log = [("merge", [h[0].shape[2] for h in rows.history])]
     for _ in range(rng.randint(1, 12)):
         op = rng.choice(
@@ -122,10 +142,12 @@ def random_session(rng, keep=0, window=False):
 
 
 @pytest.mark.parametrize("keep", [0, 1, 4])
-@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("window", [None, -2, 8])
 def test_every_row_sees_its_own_window_through_random_batch_operations(
     patched, keep, window
 ):
+    """``window``: the model's window_size relative to the ring; one larger
+    than the ring (a sliding layer ``max_kv_size`` shrank) is capped at it."""
     rng = random.Random(keep)
     sessions = (random_session(rng, keep, window) for _ in range(150))
     assert [f for f in sessions if f] == []
@@ -152,6 +174,34 @@ def test_a_chunk_after_wrapped_decode_keeps_the_oldest_in_window_token(patched):
     rows = Rows(8, [1, 7])
     assert all(rows.check(1) for _ in range(2))
     assert not rows.check(3)
+
+
+@pytest.mark.parametrize(
+    "chunks, lengths", [([4, 2], [2, 6]), ([2, 2, 3], [1, 7]), ([2, 2, 4], [3, 8])]
+)
+def test_right_padded_prefill_past_an_exactly_full_ring_keeps_short_rows_first_token(
+    patched, chunks, lengths
+):
+    """The first chunks fill the ring of 4 exactly, the next runs past it:
+    the short row's first token sits in the column attention drops, and the
+    right-padding roll must bring it back."""
+    rows = Rows(4, [0, 0])
+    assert rows.check_prefill(chunks, lengths)
+    assert rows.check_extract(0)
+    assert rows.check(1) and rows.check(3) and rows.check(1)
+
+
+@pytest.mark.parametrize("max_size", [1, 2, 3, 5])
+def test_batch_ring_no_larger_than_keep_keeps_max_size_minus_1_first_tokens(
+    patched, max_size
+):
+    """Rows of ``RotatingKVCache(max_size, keep=4)`` (``--max-kv-size 1`` to
+    ``5``) batch like their single streams: sinks, one column or more."""
+    rows = Rows(max_size, [0, 2, 7], keep=4)
+    assert rows.cache.keep == min(4, max_size - 1)
+    assert rows.check_prefill([3, 4], [7, 2, 5])
+    assert all(rows.check(S) for S in (1, 1, 3, 1, 6, 1))
+    assert all(rows.check_extract(b) for b in range(3))
 
 
 def test_decode_and_chunks_never_reallocate_after_the_first_update(monkeypatch):

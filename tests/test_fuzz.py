@@ -7,6 +7,7 @@ CI runs a few examples per test; ``make fuzz`` runs
 ``MLX_LM_PATCHED_FUZZ_EXAMPLES`` (10,000) per test.
 """
 
+import itertools
 import os
 
 import mlx.core as mx
@@ -46,9 +47,11 @@ def same(a, b):
 
 @st.composite
 def ring_sessions(draw):
-    max_size = draw(st.integers(2, 12))
+    max_size = draw(st.integers(1, 12))
     keep = draw(st.integers(0, min(4, max_size - 1)))
-    window = draw(st.one_of(st.none(), st.integers(keep + 1, max_size)))
+    # A model's window_size; one above max_size is a sliding layer that
+    # ``max_kv_size`` shrank, and must act as a window of max_size.
+    window = draw(st.one_of(st.none(), st.integers(keep + 1, 2 * max_size)))
     window = None if window == max_size else window
     sizes = st.one_of(
         st.integers(1, 2 * max_size),
@@ -66,13 +69,14 @@ def ring_sessions(draw):
 @fuzz
 @given(ring_sessions(), st.integers(0, 2**31 - 1))
 def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session, seed):
-    """Ours sees what an unbounded cache with a keep-and-window mask sees; with
-    ``keep=0`` upstream returns the very same arrays and masks."""
+    """Ours sees what an unbounded cache with a keep-and-window mask sees
+    (the window capped at the ring); with ``keep=0`` and a window no larger
+    than the ring upstream returns the very same arrays and masks."""
     max_size, keep, window, ops = session
     mx.random.seed(seed)
     ours = RotatingKVCache(max_size, keep)
     theirs = None
-    if keep == 0:
+    if keep == 0 and (window or max_size) <= max_size:
         theirs = upstream_twin(rotating_prealloc.PATCH, RotatingKVCache)(max_size)
     hk, hv = random_kv(1, 2, 0, 4)
     for op, n in ops:
@@ -96,7 +100,9 @@ def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session,
             got = [mx.array(x) for x in ours.update_and_fetch(k, v)]
             hk = mx.concatenate([hk, k], axis=2)
             hv = mx.concatenate([hv, v], axis=2)
-            ref_mask = reference_mask(offset, n, window or max_size, keep)
+            ref_mask = reference_mask(
+                offset, n, min(window or max_size, max_size), keep
+            )
             ref = attend(q, hk, hv, ref_mask)
             assert mx.allclose(attend(q, *got, mask), ref, atol=1e-5).item()
             if theirs is not None:
@@ -112,16 +118,29 @@ def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session,
 # BatchRotatingKVCache, through the ``Rows`` harness
 
 
-def batch_ops(max_size, extend_from=1, trim=False):
-    """One batch operation and its argument, for a batch ring of ``max_size``."""
-    S = st.one_of(
+@st.composite
+def prefill_chunks(draw, S):
+    """Chunk sizes of a right-padded prefill; a first chunk of None runs up
+    to the end of the ring's window, so the next one runs past a full ring."""
+    fill = draw(st.booleans())
+    return [None] * fill + draw(st.lists(S, min_size=2 - fill, max_size=3))
+
+
+def chunk_sizes(max_size):
+    return st.one_of(
         st.integers(2, 2 * max_size),
         st.sampled_from([max_size - 1, max_size, max_size + 1]),
     )
+
+
+def batch_ops(max_size, extend_from=1, trim=False):
+    """One batch operation and its argument, for a batch ring of ``max_size``."""
+    S = chunk_sizes(max_size)
     return st.one_of(
         st.tuples(st.just("decode"), st.just(1)),
         st.tuples(st.just("chunk"), S),
         st.tuples(st.just("padded"), S),
+        st.tuples(st.just("prefill"), prefill_chunks(S)),
         st.tuples(st.just("extract"), st.integers(0, 5)),
         st.tuples(st.just("filter"), st.integers(1, 7)),
         st.tuples(st.just("extend"), st.integers(extend_from, 2 * max_size)),
@@ -140,6 +159,16 @@ def apply_batch_op(harness, op, n, rng):
         padded = [n] + [rng.randint(1, n) for _ in range(B - 1)]
         rng.shuffle(padded)
         return harness.check(n, padded)
+    if op == "prefill":  # right-padded, in chunks ``n``: prepare, chunks, finalize
+        # A chunk of 1 would be decoding: prefills never leave one.
+        chunks = [harness.room() if c is None else c for c in n]
+        n = [c for c in chunks if c > 1] or [2]
+        total, ends = sum(n), list(itertools.accumulate(n))
+        # The other rows end anywhere, or where a chunk does.
+        others = [rng.choice([rng.randint(1, total), *ends]) for _ in range(B - 1)]
+        padded = [total] + others
+        rng.shuffle(padded)
+        return harness.check_prefill(n, padded)
     if op == "extract":
         return harness.check_extract(n % B)
     if op == "filter":
@@ -155,10 +184,14 @@ def apply_batch_op(harness, op, n, rng):
 
 @st.composite
 def batch_sessions(draw):
-    max_size = draw(st.sampled_from([4, 6, 8, 16]))
-    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size - 1]))
+    max_size = draw(st.sampled_from([2, 3, 4, 6, 8, 16]))
+    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size]))
     lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
     ops = draw(st.lists(batch_ops(max_size), min_size=1, max_size=12))
+    if draw(st.booleans()):
+        # As BatchGenerator starts new prompts: an empty batch, right-padded.
+        lengths = [0] * draw(st.integers(2, 3))
+        ops.insert(0, ("prefill", draw(prefill_chunks(chunk_sizes(max_size)))))
     return max_size, keep, lengths, ops
 
 
@@ -168,14 +201,17 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
     session, seed, rng
 ):
     """Merge singles (with or without keep), then decode, chunks, right-padded
-    chunks, extract, filter, extend and save/load in any order: every real
-    query of every row attends to exactly its reference window."""
+    chunks, right-padded prefills in several chunks, extract, filter, extend
+    and save/load in any order: every real query of every row attends to
+    exactly its reference window."""
     max_size, keep, lengths, ops = session
     mx.random.seed(seed)
     rows = Rows(max_size, lengths, keep)
     for op, n in ops:
         assert apply_batch_op(rows, op, n, rng)
         assert rows.cache.offset.tolist() == [h[0].shape[2] for h in rows.history]
+        # What each row holds now, as its next decode step would see it.
+        assert all(rows.check_extract(b) for b in range(rows.B))
 
 
 # QuantizedKVCache

@@ -159,7 +159,8 @@ def test_quantized_ring_equals_the_fp_ring_fed_the_quantized_tokens(
             assert layout.close(got, want)
             hk = mx.concatenate([hk, rk], axis=2)
             hv = mx.concatenate([hv, rv], axis=2)
-            ref_mask = reference_mask(offset, n, window or max_size, keep)
+            window_seen = min(window or max_size, max_size)
+            ref_mask = reference_mask(offset, n, window_seen, keep)
             _, ref = layout.attention(q, ours, qkv, qmask, (hk, hv), ref_mask)
             assert mx.allclose(want, ref, atol=1e-5).item()
         assert fp.offset == hk.shape[2]
@@ -200,6 +201,13 @@ class Twins:
     def B(self):
         return self.fp.offset.shape[0]
 
+    def room(self):
+        """Columns left until the ring's window is full (0 once it is, or
+        without a ring)."""
+        if not self.ring:
+            return 0
+        return max(0, self.max_size - self.keep - self.fp._offset)
+
     def check_state(self):
         assert type(self.q).__name__ == (
             "BatchQuantizedRotatingKVCache" if self.ring else "BatchQuantizedKVCache"
@@ -215,32 +223,44 @@ class Twins:
     def check(self, S, lengths=None):
         """One update of ``S`` columns (rows with ``lengths`` right-padded);
         True if every real query attends in both as in the fp cache."""
-        lengths = lengths or [S] * self.B
-        if min(lengths) < S:
+        return self.check_prefill([S], lengths)
+
+    def check_prefill(self, chunks, lengths=None):
+        """``sum(chunks)`` columns in ``chunks``, rows with ``lengths`` real
+        tokens right-padded (prepare, the chunks, finalize); True if every
+        real query attends in both as in the fp cache."""
+        total = sum(chunks)
+        lengths = lengths or [total] * self.B
+        if min(lengths) < total:
             for c in (self.fp, self.q):
-                c.prepare(lengths=lengths, right_padding=[S - n for n in lengths])
-        (k, v), (rk, rv) = self.layout.kv(self.B, S)
-        queries = self.layout.queries(self.B, S)
-        fmask, qmask = self.fp.make_mask(S), self.q.make_mask(S)
-        assert same(fmask, qmask)
-        fkv = snapshot(self.fp.update_and_fetch(rk, rv))
-        qkv = snapshot(self.q.update_and_fetch(k, v))
-        got = [self.layout.tokens(self.q, p) for p in qkv]
-        if not self.ring:
-            # BatchKVCache's columns left of a row's padding are masked out,
-            # whatever they hold: finalize rolls the whole buffer, and the
-            # two caches' capacities differ.
-            real = mx.arange(fkv[0].shape[2]) >= self.fp.left_padding[:, None]
-            real = real[:, None, :, None]
-            got, fkv = ([mx.where(real, x, 0) for x in kv] for kv in (got, fkv))
-        assert same(got, fkv)
-        got, want = self.layout.attention(queries, self.q, qkv, qmask, fkv, fmask)
+                c.prepare(lengths=lengths, right_padding=[total - n for n in lengths])
+        ok, start = True, 0
+        for S in chunks:
+            (k, v), (rk, rv) = self.layout.kv(self.B, S)
+            queries = self.layout.queries(self.B, S)
+            fmask, qmask = self.fp.make_mask(S), self.q.make_mask(S)
+            assert same(fmask, qmask)
+            fkv = snapshot(self.fp.update_and_fetch(rk, rv))
+            qkv = snapshot(self.q.update_and_fetch(k, v))
+            got = [self.layout.tokens(self.q, p) for p in qkv]
+            if not self.ring:
+                # BatchKVCache's columns left of a row's padding are masked
+                # out, whatever they hold: finalize rolls the whole buffer,
+                # and the two caches' capacities differ.
+                real = mx.arange(fkv[0].shape[2]) >= self.fp.left_padding[:, None]
+                real = real[:, None, :, None]
+                got, fkv = ([mx.where(real, x, 0) for x in kv] for kv in (got, fkv))
+            assert same(got, fkv)
+            got, want = self.layout.attention(queries, self.q, qkv, qmask, fkv, fmask)
+            real = [min(max(n - start, 0), S) for n in lengths]
+            ok &= all(
+                self.layout.close(got[b, :, :n], want[b, :, :n])
+                for b, n in enumerate(real)
+            )
+            start += S
         for c in (self.fp, self.q):
             c.finalize()
-        return all(
-            self.layout.close(got[b, :, :n], want[b, :, :n])
-            for b, n in enumerate(lengths)
-        )
+        return ok
 
     def check_extract(self, b):
         """Row ``b`` on its own: the dequantized export equals the fp row,
@@ -320,7 +340,8 @@ def test_quantized_batch_equals_the_fp_batch_fed_the_quantized_tokens(
     session, layout, seed, rng
 ):
     """Merge quantized singles (rings with or without keep, or plain), then
-    decode, chunks, right-padded chunks, extract, filter, extend, trim and
+    decode, chunks, right-padded chunks and prefills in several chunks,
+    extract, filter, extend, trim and
     save/load in any order: offsets, padding and masks are the fp batch's,
     attention is handed exactly its tokens, and every real query of every row
     attends as it does over the fp batch."""

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
-from ringref import data_pointer
+from ringref import data_pointer, random_kv, same, same_mask
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
 
@@ -28,10 +28,6 @@ def make_prompt_cache(model, max_kv_size=None):
     return cache_module.make_prompt_cache(model, max_kv_size)
 
 
-def random_kv(*shape, dtype=mx.float32):
-    return mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
-
-
 def roundtrip(x, group_size=64, bits=8):
     """``x`` quantized and dequantized, token by token as the caches do."""
     return mx.dequantize(*mx.quantize(x, group_size, bits), group_size, bits)
@@ -39,19 +35,6 @@ def roundtrip(x, group_size=64, bits=8):
 
 def dequantized(parts, group_size=64, bits=8):
     return mx.dequantize(*parts, group_size, bits)
-
-
-def same(a, b):
-    if isinstance(a, mx.array) and isinstance(b, mx.array):
-        return a.shape == b.shape and mx.array_equal(a, b).item()
-    return type(a) is type(b) and a == b
-
-
-def same_mask(fp, q):
-    """The fp ring's mask, a single query's as one row."""
-    if isinstance(fp, mx.array) and fp.ndim == 1:
-        fp = fp[None]
-    return same(fp, q)
 
 
 def sizes(rng, max_size):

@@ -8,6 +8,7 @@ depend on which real patches exist.
 import inspect
 import sys
 
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache
 
@@ -288,3 +289,52 @@ def test_patch_is_not_applied_when_its_requirement_drifted(upstream_changed):
 def test_class_patch_requires_a_fingerprint_for_every_attribute():
     with pytest.raises(ValueError, match="added_by_probe"):
         _registry.class_patch(OWNER, Probe, {"maybe_trim_front": None})
+
+
+def test_two_patches_on_one_attribute_are_refused(probe):
+    twin = _registry.Patch("test_twin", "test only", probe.targets[:1])
+    with pytest.raises(ValueError, match="test_probe.*test_twin.*maybe_trim_front"):
+        _registry.apply_patches([probe, twin])
+    assert not _registry.is_applied("test_probe")
+    assert not _registry.is_applied("test_twin")
+
+
+def test_the_first_original_is_kept_when_a_target_is_set_again(probe):
+    original = ChunkedKVCache.__dict__["maybe_trim_front"]
+    target = next(t for t in probe.targets if t.attr == "maybe_trim_front")
+    _registry.apply_patches([probe], strict=True)
+    _registry._set(target)  # as a second patch of the same attribute would
+    assert _registry.get_original(OWNER, "maybe_trim_front") is original
+    _registry.revert_patches([probe])
+    assert ChunkedKVCache.__dict__["maybe_trim_front"] is original
+
+
+def test_reverting_a_patch_reverts_the_patches_that_need_it():
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    mlx_lm_patched.apply()
+    needs = _registry.dependents(["rotating_prealloc"])
+    assert "batch_rotating_prealloc" in needs and "quantized_ring" in needs
+    with pytest.warns(UserWarning, match="batch_rotating_prealloc"):
+        reverted = mlx_lm_patched.revert("rotating_prealloc")
+    assert set(reverted) == {"rotating_prealloc", *needs}
+    status = mlx_lm_patched.status()
+    assert not any(status[n]["applied"] for n in reverted)
+    assert all(s["applied"] for n, s in status.items() if n not in reverted)
+    # What is left still works: a batch ring is upstream's again, whole.
+    cache = BatchRotatingKVCache(8, [1, 0])
+    k = mx.zeros((2, 1, 3, 4))
+    assert cache.update_and_fetch(k, k)[0].shape[2] == 3
+    mlx_lm_patched.apply()
+    assert all(s["applied"] for s in mlx_lm_patched.status().values())
+
+
+def test_every_upstream_name_a_patch_reads_is_declared():
+    assert _registry.undeclared_uses(mlx_lm_patched.PATCHES) == {}
+
+
+def test_a_declared_name_upstream_lacks_keeps_the_patch_off(probe):
+    probe.uses = {"mlx_lm.models.cache": ("renamed_upstream",)}
+    with pytest.warns(PatchDriftWarning, match="renamed_upstream is missing"):
+        assert "test_probe" not in _registry.apply_patches([probe])
+    assert "added_by_probe" not in ChunkedKVCache.__dict__

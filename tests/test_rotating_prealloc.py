@@ -37,7 +37,7 @@ def same(a, b):
 
 def random_updates(rng, max_size):
     sizes = [1, 1, 1, 2, 3, 5, max_size - 1, max_size, 2 * max_size + 1]
-    return [rng.choice(sizes) for _ in range(rng.randint(1, 14))]
+    return [rng.choice(sizes) or 1 for _ in range(rng.randint(1, 14))]
 
 
 def feed(cache, sizes, window=None):
@@ -77,6 +77,8 @@ def test_attention_sees_the_same_arrays_as_upstream_when_keep_is_zero(Upstream):
 
 def check_against_reference(max_size, keep, window, sizes):
     cache, seen_k, seen_v = RotatingKVCache(max_size, keep), [], []
+    # The newest token needs a slot: at most ``max_size - 1`` first tokens stay.
+    keep, visible = min(keep, max_size - 1), min(window or max_size, max_size)
     for offset, S, mask, keys, values, k, v in feed(cache, sizes, window):
         q = mx.random.normal((1, 1, S, 4))
         seen_k.append(k), seen_v.append(v)
@@ -84,7 +86,7 @@ def check_against_reference(max_size, keep, window, sizes):
             q,
             mx.concatenate(seen_k, axis=2),
             mx.concatenate(seen_v, axis=2),
-            reference_mask(offset, S, window or max_size, keep),
+            reference_mask(offset, S, visible, keep),
         )
         if not mx.allclose(attend(q, keys, values, mask), ref, atol=1e-5).item():
             return False
@@ -100,6 +102,47 @@ def test_attention_equals_an_unbounded_cache_with_a_keep_and_window_mask(keep):
         assert check_against_reference(
             max_size, keep, window, random_updates(rng, max_size)
         )
+
+
+@pytest.mark.parametrize("keep", [0, 3])
+def test_a_window_larger_than_the_ring_is_capped_at_the_ring_in_every_mask(keep):
+    """A sliding layer shrunk below the model's window by ``max_kv_size``:
+    chunks, decode and chunks past the ring all see ``max_size`` tokens, so
+    the chunking does not change what attention sees."""
+    rng = random.Random(keep)
+    for _ in range(60):
+        assert check_against_reference(16, keep, 24, random_updates(rng, 16))
+    assert check_against_reference(16, keep, 24, [40])
+    assert check_against_reference(16, keep, 24, [20, 20])
+
+
+@pytest.mark.parametrize("max_size, keep", [(1, 4), (3, 4), (4, 4), (5, 4)])
+def test_a_ring_no_larger_than_keep_keeps_max_size_minus_1_first_tokens(max_size, keep):
+    """``--max-kv-size 1`` or ``3`` gives ``RotatingKVCache(max_size, keep=4)``:
+    every query sees itself, the first ``max_size - 1`` tokens and nothing
+    else, whether the prompt comes in chunks or token by token."""
+    assert RotatingKVCache(max_size, keep).keep == min(keep, max_size - 1)
+    rng = random.Random(max_size)
+    for _ in range(40):
+        sizes = random_updates(rng, max_size)
+        assert check_against_reference(max_size, keep, None, sizes)
+
+
+def test_upstream_ring_no_larger_than_keep_never_holds_the_newest_token(upstream):
+    cache = RotatingKVCache(3, keep=4)
+    cache.update_and_fetch(*random_kv(1, 1, 10, 4))
+    new = mx.full((1, 1, 1, 4), 7.0)
+    keys, _ = cache.update_and_fetch(new, new)
+    assert keys.shape[2] == 4 and not (keys == 7.0).all(axis=-1).any().item()
+
+
+@pytest.mark.parametrize("cls", ["RotatingKVCache", "BatchRotatingKVCache"])
+def test_a_ring_of_no_slots_raises(cls):
+    from mlx_lm.models import cache
+
+    args = (0,) if cls == "RotatingKVCache" else (0, [0])
+    with pytest.raises(ValueError, match=f"{cls}: max_size must be >= 1, got 0"):
+        getattr(cache, cls)(*args)
 
 
 def test_upstream_hides_keep_tokens_from_a_chunk_past_the_ring(upstream):

@@ -1,20 +1,25 @@
-"""The export path across threads: ``prompt_cache_to_host`` snapshots on the
-generating thread, ``HostPromptCache.save`` writes on another while
-generation goes on. Files load back bit-exactly; tokens are unchanged."""
+"""Host export: ``prompt_cache_to_host`` snapshots on the generating thread,
+``HostPromptCache.save`` writes on another while generation goes on. Files
+and snapshots load back bit-exactly (bfloat16 and quantized caches too);
+tokens are unchanged."""
 
 import queue
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
     load_prompt_cache,
     make_prompt_cache,
     prompt_cache_from_host,
     prompt_cache_to_host,
     save_prompt_cache,
 )
+from ringref import random_kv, same
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -133,3 +138,40 @@ def test_snapshots_written_on_another_thread_during_generation_load_bit_exactly(
         ]
         assert bit_equal(flat_state(loaded), expected)
         assert bit_equal(flat_state(prompt_cache_from_host(host)), expected)
+
+
+def filled(bits, *counts):
+    """A quantized cache and a ``KVCache`` of bfloat16 tokens."""
+    caches = [QuantizedKVCache(bits=bits), KVCache()]
+    for c, n in zip(caches, counts):
+        c.update_and_fetch(*random_kv(1, 2, n, 64, dtype=mx.bfloat16))
+    return caches
+
+
+def test_host_snapshot_round_trips_bfloat16_bit_exactly_through_numpy():
+    caches = filled(8, 40, 33)
+    host = prompt_cache_to_host(caches, {"model": "tiny"})
+    assert all(
+        isinstance(a, np.ndarray) and a.flags.owndata for a in host.arrays.values()
+    )
+    assert "bfloat16" in host.dtypes.values()
+    # The snapshot is a copy: later updates do not reach it.
+    caches[0].update_and_fetch(*random_kv(1, 2, 2, 64, dtype=mx.bfloat16))
+    restored, meta = prompt_cache_from_host(host, return_metadata=True)
+    assert meta == {"model": "tiny"} and restored[0].offset == 40
+    caches[0].trim(2)
+    assert same(restored[0].state, caches[0].state)
+    assert same(restored[1].keys, caches[1].keys)
+
+
+def test_host_snapshot_written_by_another_thread_loads_bit_exactly(tmp_path):
+    caches = filled(4, 50, 17)
+    host = prompt_cache_to_host(caches)
+    path = str(tmp_path / "spill.safetensors")
+    writer = threading.Thread(target=host.save, args=(path,))
+    writer.start()
+    writer.join()
+    loaded = load_prompt_cache(path)
+    assert same(loaded[0].state, caches[0].state)
+    assert loaded[0].state[3:] == (64, 4, "bfloat16", (64, 64))
+    assert same(loaded[1].state, caches[1].state)

@@ -9,7 +9,15 @@ SRC := mlx_lm_patched tools tests
 .PHONY: venv demo test lint format bench patches check-patches vendor \
 	upstream-test check-upstream fuzz soak
 
+ifeq ($(origin VENV),command line)
+# A virtual environment named on the command line (CI's, or another
+# checkout's) is used as it is, made only if missing: reinstalling it would
+# point its editable install at this checkout.
+venv:
+	@test -x $(PYTHON) || $(MAKE) --no-print-directory $(VENV)/.installed
+else
 venv: $(VENV)/.installed
+endif
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -35,13 +35,10 @@ def _tools(*args, timeout=300):
 
 
 def test_check_patches_passes_on_committed_series(sdist):
-    assert check_patches() == []
-
-
-def test_check_patches_cli_without_suite_is_fast_and_quiet(sdist):
+    """All but upstream's suite, which ``make check-patches`` runs."""
     r = _tools("check-patches", "--no-suite", timeout=120)  # 5-20 s; more on CI
     assert r.returncode == 0, r.stderr
-    assert "check-patches: OK" in r.stdout
+    assert r.stdout.startswith("check-patches: OK") and not r.stderr
 
 
 def test_series_lists_every_patch_in_order_with_a_dep3_header():

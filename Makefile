@@ -58,8 +58,7 @@ check-upstream: venv
 	$(PYTHON) -m tools check-release $(VERSION)
 
 fuzz: venv
-	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q tests/test_fuzz.py \
-		tests/test_fuzz_quantized.py \
+	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q -m fuzz \
 		--hypothesis-show-statistics
 
 soak: venv

@@ -16,8 +16,10 @@ from . import (
     batch_quantized,
     batch_rotating_prealloc,
     bounded_attention,
+    generate_kv_checks,
     host_export,
     max_kv_size,
+    negative_trim,
     prompt_cache_files,
     quantized_attention,
     quantized_cache,
@@ -41,10 +43,12 @@ PATCHES: List[_registry.Patch] = [
     rotating_prealloc.PATCH,  # cache.py: RotatingKVCache
     batch_rotating_prealloc.PATCH,  # cache.py: BatchRotatingKVCache
     bounded_attention.PATCH,  # base.py: scaled_dot_product_attention
-    prompt_cache_files.PATCH,  # cache.py: load_prompt_cache
+    prompt_cache_files.PATCH,  # cache.py: load_prompt_cache, _check_state
+    negative_trim.PATCH,  # cache.py: KVCache & co. trim(n < 0) raises
     quantized_cache.PATCH,  # cache.py: QuantizedKVCache, KVCache.to_quantized
     quantized_attention.PATCH,  # base.py: quantized_scaled_dot_product_attention
     host_export.PATCH,  # cache.py: prompt_cache_to_host, HostPromptCache
+    generate_kv_checks.PATCH,  # generate.py: --kv-bits checked up front
     max_kv_size.PATCH,  # cache.py: make_prompt_cache
     quantized_ring.PATCH,  # cache.py: QuantizedRotatingKVCache
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges

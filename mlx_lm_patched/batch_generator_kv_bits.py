@@ -31,6 +31,7 @@ def maybe_quantize_batch_cache(
     columns, read on the host so that decoding never waits for it."""
     if kv_bits is None:
         return
+    _check_kv_quantization(kv_bits, kv_group_size)
     for e, c in enumerate(prompt_cache):
         if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
             continue
@@ -153,7 +154,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
     ),
-    requires=("batch_quantized",),
+    requires=("batch_quantized", "generate_kv_checks"),
     uses={
         "mlx_lm.generate": (
             "BatchCounters",

@@ -127,6 +127,15 @@ class BatchQuantizedKVCache:
         self.head_dims = None if head_dims is None else tuple(head_dims)
         self._right_padding = None
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 9:
+            raise ValueError(f"{len(v)} state items, a BatchQuantizedKVCache has 9")
+        keys, values = v[:2]
+        _check_quantized(keys, values, *v[5:])
+        packed = [None if x is None else x[0] for x in (keys, values)]
+        BatchKVCache._check_state((*packed, *v[2:5]))
+
     def filter(self, batch_indices):
         """
         In-place filter to keep just the given indices in the cache.
@@ -282,7 +291,8 @@ class BatchQuantizedRotatingKVCache:
     @property
     def state(self):
         return (
-            *BatchRotatingKVCache.state.fget(self),
+            *BatchRotatingKVCache.state.fget(self)[:8],
+            self.keep,
             self.group_size,
             self.bits,
             self.dtype,
@@ -294,6 +304,29 @@ class BatchQuantizedRotatingKVCache:
         BatchRotatingKVCache.state.fset(self, v[:9])
         self.group_size, self.bits, self.dtype, head_dims = v[9:]
         self.head_dims = None if head_dims is None else tuple(head_dims)
+
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 13:
+            raise ValueError(
+                f"{len(v)} state items, a BatchQuantizedRotatingKVCache has 13"
+            )
+        BatchRotatingKVCache._check_state(v[:9])
+        keys, values, group_size, bits, dtype, head_dims = *v[:2], *v[9:]
+        if keys is not None and head_dims is not None:
+            # Each token: its packed head dim, then its scales and biases.
+            _, *widths = _kv_quant_layout(*head_dims, group_size, bits)
+            if dtype not in ("float16", "bfloat16", "float32"):
+                raise ValueError(f"dtype {dtype!r} is not a float dtype")
+            size = getattr(mx, dtype).size
+            for x, w in zip((keys, values), widths):
+                if x.dtype != mx.uint32 or x.shape[3] != w * bits // 32 + (
+                    2 * w // group_size * size // 4
+                ):
+                    raise ValueError(
+                        f"{x.shape[3]} words a token do not fit head dims "
+                        f"{tuple(head_dims)}, bits={bits}, group_size={group_size}"
+                    )
 
     def extend(self, other):
         """

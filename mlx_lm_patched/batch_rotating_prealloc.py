@@ -7,7 +7,9 @@ into it in place, and right padding is rolled into left padding in place.
 
 Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
 does (upstream's batch cache has no ``keep``, so batched rows of
-``generate --max-kv-size`` diverge from their single streams).
+``generate --max-kv-size`` diverge from their single streams). With
+``keep=0`` the saved state is upstream's eight items, which plain mlx-lm
+loads; ``keep`` is a ninth item only when it is not 0.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
@@ -207,7 +209,7 @@ class BatchRotatingKVCache:
         if k is not None and self.keep + self._offset < k.shape[2]:
             end = self.keep + self._offset
             k, v = k[..., :end, :], v[..., :end, :]
-        return (
+        state = (
             k,
             v,
             self.offset,
@@ -216,8 +218,9 @@ class BatchRotatingKVCache:
             self._offset,
             self._idx,
             self.rotated,
-            self.keep,
         )
+        # With keep=0 the layout is upstream's: save its 8 items, which it reads.
+        return state + (self.keep,) if self.keep else state
 
     @state.setter
     def state(self, v):
@@ -236,16 +239,57 @@ class BatchRotatingKVCache:
             (*v, 0) if len(v) == 8 else v
         )
         self._lengths = None
+        if self.keys is not None and self.keys.shape[2] > self.max_size:
+            # Upstream's ring right after a multi-token update, in temporal
+            # order: keep its newest max_size columns before any mask is made.
+            drop = self.keys.shape[2] - self.max_size
+            self.keys = self.keys[..., drop:, :]
+            self.values = self.values[..., drop:, :]
+            self.left_padding = self.left_padding - drop
+            self._idx = self.max_size
+
+    @staticmethod
+    def _check_state(v):
+        if len(v) not in (8, 9):
+            raise ValueError(f"{len(v)} state items, a BatchRotatingKVCache has 8 or 9")
+        keys, values, offset, left_padding, max_size, _offset, _idx = v[:7]
+        keep = v[8] if len(v) == 9 else 0
+        n = _stored(keys, values)
+        if max_size < 1 or not 0 <= keep < max_size:
+            raise ValueError(
+                f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
+            )
+        if not all(isinstance(x, mx.array) and x.ndim == 1 for x in v[2:4]) or (
+            offset.size != left_padding.size
+        ):
+            raise ValueError("offset and left_padding are not one entry per row")
+        if _offset < 0:
+            raise ValueError(f"_offset {_offset} is negative")
+        # The sinks and the live columns once allocated (an empty cache has
+        # none); upstream's ring (keep=0) is longer right after a multi-token
+        # update, with _idx at the end.
+        need = keep + min(_offset, max_size - keep) if n or _offset else 0
+        longer = n > max_size and not (keep == 0 and _idx == n)
+        if n < need or longer:
+            raise ValueError(
+                f"{n} slots stored for _offset {_offset}, keep {keep}, max_size {max_size}"
+            )
+        wrapped = _offset > max_size - keep
+        if not (keep <= _idx <= n if wrapped else _idx == keep + _offset):
+            raise ValueError(
+                f"_idx {_idx} does not fit _offset {_offset} and keep {keep}"
+            )
 
     def is_trimmable(self):
         return self._offset < self.max_size - self.keep
 
     def trim(self, n):
+        name = type(self).__name__
         if n < 0:
-            raise ValueError(f"BatchRotatingKVCache.trim: n must be >= 0, got {n}")
+            raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
         if n and self._offset > self.max_size - self.keep:
             raise ValueError(
-                f"BatchRotatingKVCache.trim: the ring has wrapped (offset "
+                f"{name}.trim: the ring has wrapped (offset "
                 f"{self._offset} > {self.max_size - self.keep} columns), its "
                 "oldest tokens are gone; check is_trimmable() first"
             )
@@ -428,6 +472,7 @@ PATCH = Patch(
             "keys_and_values": "b7bc1f199038",
             "finalize": "3b873fc3d89c",
             "state": "6b269fad0f9b",
+            "_check_state": None,
             "is_trimmable": "f266b2c1321a",
             "trim": "6016a533a41f",
             "make_mask": "0ead5fbf5d65",

@@ -8,7 +8,7 @@ become ``RotatingKVCache(max_kv_size, keep=4)`` (what upstream gives models
 without ``make_cache``), sliding layers keep their window unless it is
 larger than ``max_kv_size`` (masks then cap the model's ``window_size`` at
 the ring), and every other cache is left as it is. Which layers changed is a
-``UserWarning``, once per model class and change, so ``generate`` shows it on
+``UserWarning``, once per model type and change, so ``generate`` shows it on
 stderr. A ``max_kv_size`` below 1 raises ``ValueError`` before anything is
 built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
 """
@@ -22,12 +22,12 @@ from ._registry import Patch, Target, pasted_into
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).
 
-_bounded_logged = set()  # (model class, changes) already reported
+_bounded_logged = set()  # (model type, changes) already reported
 
 
 def _bound_layers(model, cache: List[Any], max_kv_size: int):
     """Bound ``model``'s ``cache`` in place to ``max_kv_size`` tokens a layer;
-    warn which layers changed, once per model class and change."""
+    warn which layers changed, once per model type and change."""
     import warnings
 
     changed = {}  # change -> the layers it applies to
@@ -42,7 +42,8 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
             continue
         change += f" -> RotatingKVCache({max_kv_size}, keep={cache[i].keep})"
         changed.setdefault(change, []).append(i)
-    key = (type(model).__qualname__, tuple((c, tuple(v)) for c, v in changed.items()))
+    name = getattr(model, "model_type", None) or type(model).__qualname__
+    key = (name, tuple((c, tuple(v)) for c, v in changed.items()))
     if changed and key not in _bounded_logged:
         _bounded_logged.add(key)
         parts = []
@@ -59,7 +60,7 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
         warnings.warn(
             f"max_kv_size={max_kv_size} bounds "
             f"{sum(map(len, changed.values()))} of {len(cache)} cache layers of "
-            f"{type(model).__qualname__}: " + "; ".join(parts),
+            f"{name}: " + "; ".join(parts),
             stacklevel=3,
         )
 

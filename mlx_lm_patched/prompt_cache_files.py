@@ -6,6 +6,14 @@ unpacks a plain weights file's metadata into ``not enough values to
 unpack``, passes a corrupted header's ``UnicodeDecodeError`` through, and
 loads a file missing a state array into a silently shifted state. Each is
 now a ``ValueError`` naming the file and what is wrong with it.
+
+Each cache's state is also checked against itself before anything is built
+(``_check_state``, next to each class's ``state``): upstream loads an offset
+past the stored tokens, ``keep > max_size`` or keys cut short and decodes
+garbage, fails on a negative offset or ``max_size`` 0 with
+``ZeroDivisionError``, on a state under another class's name with ``too many
+values to unpack``, and on changed bits with a broadcast error at decode.
+Now: ``ValueError`` naming the file, the layer and the inconsistency.
 """
 
 from typing import Any, Dict
@@ -13,7 +21,7 @@ from typing import Any, Dict
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, Target, class_patch, pasted_into
 
 
 def _prompt_cache_from_arrays(
@@ -53,6 +61,13 @@ def _prompt_cache_from_arrays(
         else:
             raise ValueError(f"{source}: unknown scalar type {kind!r}")
     arrays = tree_unflatten(list(arrays.items()))
+    # ``_check_state(state)``, where a class has one, raises ``ValueError``
+    # saying how the state contradicts itself.
+    for i, (c, s) in enumerate(zip(classes, arrays)):
+        try:
+            getattr(globals()[c], "_check_state", lambda s: None)(s)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: layer {i} ({c}): {e}") from None
     cache = [globals()[c].from_state(s) for c, s in zip(classes, arrays)]
     return cache, metadata
 
@@ -80,6 +95,38 @@ def load_prompt_cache(file_name, return_metadata=False):
     return cache
 
 
+class KVCache:
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 3:
+            raise ValueError(f"{len(v)} state items, a KVCache has 3")
+        keys, values, offset = v
+        n = _stored(keys, values)
+        if not 0 <= offset <= n:
+            raise ValueError(f"offset {offset} is not within the {n} tokens stored")
+
+
+class BatchKVCache:
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 5:
+            raise ValueError(f"{len(v)} state items, a BatchKVCache has 5")
+        keys, values, offset, left_padding, _idx = v
+        n = _stored(keys, values)
+        if not all(isinstance(x, mx.array) and x.ndim == 1 for x in v[2:4]) or (
+            offset.size != left_padding.size
+        ):
+            raise ValueError("offset and left_padding are not one entry per row")
+        if not 0 <= _idx <= n:
+            raise ValueError(f"_idx {_idx} is not within the {n} tokens stored")
+        # Row b is padding up to left_padding[b], then offset[b] real tokens.
+        if not mx.array_equal(offset + left_padding, mx.full(offset.shape, _idx)):
+            raise ValueError(
+                f"offset {offset.tolist()} + left_padding {left_padding.tolist()} "
+                f"is not _idx {_idx} in every row"
+            )
+
+
 # Written as they read in mlx_lm/models/cache.py, and run there.
 _prompt_cache_from_arrays = pasted_into(
     "mlx_lm.models.cache", _prompt_cache_from_arrays
@@ -102,7 +149,12 @@ PATCH = Patch(
             load_prompt_cache,
             "1a64604fd5bd",
         ),
-    ],
+    ]
+    + class_patch("mlx_lm.models.cache:KVCache", KVCache, {"_check_state": None})
+    + class_patch(
+        "mlx_lm.models.cache:BatchKVCache", BatchKVCache, {"_check_state": None}
+    ),
+    requires=("rotating_prealloc",),  # its _stored
     uses={
         "mlx_lm.models.cache": (
             "Any",

@@ -1,21 +1,29 @@
 """``QuantizedKVCache`` done right.
 
 Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
-empty, lets ``trim(-1)`` grow ``offset``, saves its padding, grows by
+empty, lets ``trim(-1)`` grow ``offset`` (as do ``KVCache``,
+``ChunkedKVCache`` and ``ConcatenateKVCache``), saves its padding, grows by
 concatenating 256-token steps, cannot give its tokens back in full precision,
 and fails on head dims such as 96 or 80 that group size 64 does not divide;
-``KVCache.to_quantized`` quantizes the padding too. Here the cache:
+``KVCache.to_quantized`` quantizes the padding too; ``generate`` accepts
+``--kv-bits 16`` until the cache reaches ``--quantized-kv-start`` tokens.
+Here the cache:
 
-- reports live tokens (``size``), rejects negative trims, and ``compact()``
-  frees what trimming left behind; ``nbytes`` is what the buffers hold;
+- reports live tokens (``size``), rejects negative trims (so do the
+  unquantized caches), and ``compact()`` frees what trimming left behind;
+  ``nbytes`` is what the buffers hold;
 - allocates once when told the final length (``reserve``), else grows by half
   its capacity, writing the old tokens into the new buffers (no concatenate);
-- records the quantized dtype and head dims in ``state``, so
+- saves upstream's five-item ``state``, which plain mlx-lm reads, and reads
+  the quantized dtype and head dims back off the arrays, so
   ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
-  ``to_kv_cache()`` dequantizes to the original dtype;
+  ``to_kv_cache()`` dequantizes to the original dtype; only zero-padded head
+  dims, which upstream cannot attend over, add them as two more items;
 - picks a group size that divides the head dim (96 with 64 quantizes with
   32), or zero-pads it (80; attention pads the queries to match, see
-  ``quantized_attention``).
+  ``quantized_attention``); a file saved with the group size in use passes
+  ``generate``'s ``--kv-group-size`` check for the size that was asked for
+  (``quantizes_with``).
 """
 
 import mlx.core as mx
@@ -62,6 +70,39 @@ def _kv_quantize(keys, values, group_size, bits):
             x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - x.shape[3])])
         out.append(mx.quantize(x, group_size=group_size, bits=bits))
     return group_size, *out
+
+
+def _check_quantized(keys, values, group_size, bits, dtype=None, head_dims=None):
+    """The tokens quantized state arrays ``keys`` and ``values`` hold;
+    ``ValueError`` unless each is a (packed, scales, biases) triple that
+    ``group_size`` and ``bits`` (and ``dtype``, ``head_dims`` if given) describe."""
+    if keys is None and values is None:
+        return 0
+    _kv_quant_layout(128, 128, group_size, bits)  # raises if either is unsupported
+    parts = list(keys or ()) + list(values or ())
+    if len(parts) != 6 or not all(
+        isinstance(x, mx.array) and x.ndim == 4 for x in parts
+    ):
+        raise ValueError("keys and values are not (packed, scales, biases) triples")
+    if len({x.shape[:3] for x in parts}) > 1:
+        raise ValueError("keys and values parts differ in batch, heads or tokens")
+    for (packed, scales, biases), dim in zip((keys, values), head_dims or (0, 0)):
+        width = packed.shape[-1] * 32 // bits
+        if (
+            packed.dtype != mx.uint32
+            or packed.shape[-1] * 32 % bits
+            or scales.shape != biases.shape
+            or scales.shape[-1] * group_size != width
+        ):
+            raise ValueError(
+                f"packed width {packed.shape[-1]} and {scales.shape[-1]} groups do not "
+                f"fit bits={bits}, group_size={group_size}"
+            )
+        if dim and not dim <= width < dim + 32:
+            raise ValueError(f"head dims {tuple(head_dims)} do not fit width {width}")
+        if dtype is not None and dtype != str(scales.dtype).rpartition(".")[2]:
+            raise ValueError(f"dtype {dtype!r} but {scales.dtype} scales")
+    return keys[0].shape[2]
 
 
 class _QuantizedKVCache:
@@ -144,15 +185,14 @@ class _QuantizedKVCache:
         keys, values = self.keys, self.values
         if keys is not None and self.offset < keys[0].shape[-2]:
             keys, values = self.keys_and_values()
-        return (
-            keys,
-            values,
-            self.offset,
-            self.group_size,
-            self.bits,
-            self.dtype,
-            self.head_dims,
-        )
+        state = (keys, values, self.offset, self.group_size, self.bits)
+        # Upstream's 5 items, which it reads (the setter reads dtype and head
+        # dims off the arrays), unless the head dims are zero-padded.
+        if keys is not None and self.head_dims is not None:
+            widths = tuple(x[0].shape[-1] * 32 // self.bits for x in (keys, values))
+            if tuple(self.head_dims) != widths:
+                return state + (self.dtype, self.head_dims)
+        return state
 
     @state.setter
     def state(self, v):
@@ -171,11 +211,18 @@ class _QuantizedKVCache:
         self.values = None if values is None else tuple(values)
         self.reserved = 0
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) not in (5, 7):
+            raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
+        keys, values, offset, group_size, bits = v[:5]
+        n = _check_quantized(keys, values, group_size, bits, *v[5:])
+        if not 0 <= offset <= n:
+            raise ValueError(f"offset {offset} is not within the {n} tokens stored")
+
     def trim(self, n):
         if n < 0:
-            raise ValueError(
-                f"QuantizedKVCache.trim: cannot trim a negative number of tokens ({n})"
-            )
+            raise ValueError(f"QuantizedKVCache.trim: n must be >= 0, got {n}")
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -225,6 +272,14 @@ class _QuantizedKVCache:
         kv_cache.offset = self.offset
         return kv_cache
 
+    def quantizes_with(self, group_size):
+        """Whether asking for ``group_size`` gives the group size this cache
+        holds, which may have been lowered to divide its head dims."""
+        if self.head_dims is None:
+            return group_size == self.group_size
+        layout = _kv_quant_layout(*self.head_dims, group_size, self.bits)
+        return layout[0] == self.group_size
+
     @property
     def nbytes(self):
         if self.keys is None:
@@ -245,6 +300,7 @@ class _KVCache:
 
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
 _kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
+_check_quantized = pasted_into("mlx_lm.models.cache", _check_quantized)
 
 PATCH = Patch(
     "quantized_cache",
@@ -253,6 +309,7 @@ PATCH = Patch(
     [
         Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
         Target("mlx_lm.models.cache", "_kv_quantize", _kv_quantize, None),
+        Target("mlx_lm.models.cache", "_check_quantized", _check_quantized, None),
     ]
     + class_patch(
         "mlx_lm.models.cache:QuantizedKVCache",
@@ -262,11 +319,13 @@ PATCH = Patch(
             "update_and_fetch": "5096c112dfde",
             "size": "6b9dbb3b7aa4",
             "state": "069c07781538",
+            "_check_state": None,
             "trim": "6ebc79648024",
             "reserve": None,
             "compact": None,
             "_resize": None,
             "to_kv_cache": None,
+            "quantizes_with": None,
             "nbytes": "82f80ece693d",
         },
     )

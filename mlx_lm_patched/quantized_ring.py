@@ -143,6 +143,16 @@ class QuantizedRotatingKVCache:
         self.values = None if values is None else tuple(values)
         self.head_dims = None if head_dims is None else tuple(head_dims)
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 10:
+            raise ValueError(f"{len(v)} state items, a QuantizedRotatingKVCache has 10")
+        keys, values, offset, keep, max_size, _idx = v[:6]
+        _check_quantized(keys, values, *v[6:])
+        # The ring's rules, on the packed parts (one slot per token, as the ring).
+        packed = [None if x is None else x[0] for x in (keys, values)]
+        RotatingKVCache._check_state((*packed, offset, keep, max_size, _idx))
+
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """Already quantized: ``generate_step`` asks again after every step."""
         if bits != self.bits:

@@ -37,6 +37,21 @@ def _check_update(cache, keys, values):
         )
 
 
+def _stored(keys, values):
+    """The tokens state arrays ``keys`` and ``values`` hold; ``ValueError``
+    unless both are None or (B, H, L, D) arrays agreeing in B, H, L and dtype."""
+    if keys is None and values is None:
+        return 0
+    if not all(isinstance(x, mx.array) and x.ndim == 4 for x in (keys, values)):
+        raise ValueError("keys and values are not both (batch, heads, tokens, dim)")
+    if keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
+        raise ValueError(
+            f"keys {keys.shape} {keys.dtype} and values {values.shape} "
+            f"{values.dtype} differ in batch, heads, tokens or dtype"
+        )
+    return keys.shape[2]
+
+
 def _put(buffer, update, start, axes=(2,)):
     """``buffer[..., start:start + n, :] = update`` into ``buffer``'s memory."""
     if update.shape == buffer.shape:
@@ -148,12 +163,37 @@ class RotatingKVCache:
     def state(self, v):
         self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
 
+    @staticmethod
+    def _check_state(v):
+        if len(v) != 6:
+            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6")
+        keys, values, offset, keep, max_size, _idx = v
+        n = _stored(keys, values)
+        if max_size < 1 or not 0 <= keep < max_size:
+            raise ValueError(
+                f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
+            )
+        if offset < 0:
+            raise ValueError(f"offset {offset} is negative")
+        if n < min(offset, max_size):
+            raise ValueError(f"{n} tokens stored for offset {offset}")
+        # Upstream's ring holds more than max_size tokens right after a
+        # multi-token update, in temporal order with _idx at the end.
+        if n > max_size and not _idx == n <= offset:
+            raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
+        # Slot ``_idx`` is next: the oldest once wrapped, else at ``offset``.
+        if not (keep <= _idx <= n if offset > max_size else _idx == offset):
+            raise ValueError(
+                f"_idx {_idx} does not fit offset {offset} and keep {keep}"
+            )
+
     def trim(self, n):
+        name = type(self).__name__
         if n < 0:
-            raise ValueError(f"RotatingKVCache.trim: n must be >= 0, got {n}")
+            raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
         if n and self.offset > self.max_size:
             raise ValueError(
-                f"RotatingKVCache.trim: the ring has wrapped (offset {self.offset} > "
+                f"{name}.trim: the ring has wrapped (offset {self.offset} > "
                 f"max_size {self.max_size}), its oldest tokens are gone; "
                 "check is_trimmable() first"
             )
@@ -195,7 +235,11 @@ PATCH = Patch(
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
     [
         Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
-        for name, f in (("_check_update", _check_update), ("_put", _put))
+        for name, f in (
+            ("_check_update", _check_update),
+            ("_stored", _stored),
+            ("_put", _put),
+        )
     ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
@@ -206,6 +250,7 @@ PATCH = Patch(
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "state": "58270b869508",
+            "_check_state": None,
             "trim": "798fee465b19",
             "make_mask": "aae2a6dcb644",
         },

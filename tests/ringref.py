@@ -11,9 +11,16 @@ import tempfile
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
 
 from mlx_lm_patched import _registry
+
+H, D = 2, 4  # heads and head dim of the reference harnesses
 
 
 def upstream_twin(patch, cls):
@@ -21,7 +28,7 @@ def upstream_twin(patch, cls):
     originals = {
         t.attr: _registry.get_original(t.owner, t.attr)
         for t in patch.targets
-        if t.fingerprint is not None
+        if t.fingerprint is not None and t.owner.endswith(f":{cls.__name__}")
     }
     return type(f"Upstream{cls.__name__}", (cls,), originals)
 
@@ -126,3 +133,91 @@ def buffers_through(cache, batch, sizes, monkeypatch):
             (cache.keys.shape, data_pointer(cache.keys), data_pointer(cache.values))
         )
     return seen, len(calls)
+
+
+class Rows:
+    """A batch cache and, beside it, every real token of each row."""
+
+    def __init__(self, max_size, lengths, keep=0, window=None):
+        self.max_size, self.history, singles = max_size, [], []
+        # The newest token needs a slot: at most ``max_size - 1`` first tokens.
+        self.keep = min(keep, max_size - 1)
+        self.window = window  # a model's window_size, below max_size
+        for n in lengths:
+            single = RotatingKVCache(max_size, keep)
+            k, v = random_kv(1, H, n, D)
+            if n:
+                single.update_and_fetch(k, v)
+            singles.append(single)
+            self.history.append((k, v))
+        self.cache = BatchRotatingKVCache.merge(singles)
+
+    def check(self, S, lengths=None):
+        """One update of ``S`` columns (rows with ``lengths`` right-padded);
+        True if every real query's output equals the reference's."""
+        return self.check_prefill([S], lengths)
+
+    def check_prefill(self, chunks, lengths=None):
+        """``sum(chunks)`` columns in ``chunks``, rows with ``lengths`` real
+        tokens right-padded (prepare, the chunks, finalize, as
+        ``PromptProcessingBatch.prompt`` does); True if every real query's
+        output equals the reference's."""
+        B, total = len(self.history), sum(chunks)
+        lengths = lengths or [total] * B
+        if min(lengths) < total:
+            padding = [total - n for n in lengths]
+            self.cache.prepare(lengths=lengths, right_padding=padding)
+        ok, start = True, 0
+        for S in chunks:
+            k, v = random_kv(B, H, S, D)
+            q = mx.random.normal((B, H, S, D))
+            mask = self.cache.make_mask(S, window_size=self.window)
+            out = attend(q, *self.cache.update_and_fetch(k, v), mask)
+            for b, length in enumerate(lengths):
+                n = min(max(length - start, 0), S)  # real queries in the chunk
+                if n == 0:
+                    continue
+                hk, hv = self.history[b]
+                offset = hk.shape[2]
+                hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
+                hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
+                self.history[b] = (hk, hv)
+                window = min(self.window or self.max_size, self.max_size)
+                mask = reference_mask(offset, n, window, self.keep)
+                ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
+                ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
+            start += S
+        self.cache.finalize()
+        return ok
+
+    def check_extract(self, b):
+        single, (hk, hv) = self.cache.extract(b), self.history[b]
+        k, v = random_kv(1, H, 1, D)
+        q = mx.random.normal((1, H, 1, D))
+        mask = single.make_mask(1, window_size=self.window)
+        out = attend(q, *single.update_and_fetch(k, v), mask)
+        hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
+        window = min(self.window or self.max_size, self.max_size)
+        mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
+        ref = attend(q, hk, hv, mask)
+        return mx.allclose(out, ref, atol=1e-5).item()
+
+    @property
+    def B(self):
+        return len(self.history)
+
+    def room(self):
+        """Columns left until the ring's window is full (0 once it is)."""
+        return max(0, self.max_size - self.keep - self.cache._offset)
+
+    def save_load(self):
+        self.cache = save_load(self.cache)
+
+    def filter(self, rows):
+        self.cache.filter(mx.array(rows))
+        self.history = [self.history[i] for i in rows]
+
+    def extend(self, n):
+        other = Rows(self.max_size, [n], self.keep, self.window)
+        self.cache.extend(other.cache)
+        self.history += other.history

@@ -5,15 +5,21 @@ A row the current code fails is written as it should pass and marked
 ``xfail(strict=True)`` with the reason.
 """
 
-import dataclasses
-import warnings
+import re
+import subprocess
+import sys
 
 import mlx.core as mx
+import mlx_lm.models.cache as cache_module
 import numpy as np
 import pytest
+from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     load_prompt_cache,
@@ -22,8 +28,6 @@ from mlx_lm.models.cache import (
 from ringref import attend, random_kv, reference_mask
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry, rotating_prealloc
-from mlx_lm_patched._registry import PatchDriftError, PatchDriftWarning
 
 pytestmark = pytest.mark.usefixtures("patched")
 
@@ -74,10 +78,38 @@ def raises_unchanged(cache, call, error, match):
 # Trims
 
 
-@pytest.mark.parametrize("make", [ring, batch, quantized])
-def test_negative_trim_raises_naming_the_count(make):
-    cache = make()
-    raises_unchanged(cache, lambda: cache.trim(-1), ValueError, r"trim.*-1")
+def every_cache_kind():
+    """{class name: a filled cache} for every cache kind that trims."""
+    single = [KVCache(), ConcatenateKVCache(), ChunkedKVCache(16)]
+    batched = [BatchKVCache([0, 1]), BatchKVCache([0, 1]).to_quantized(64, 8)]
+    for c in single:
+        c.update_and_fetch(*random_kv(1, 2, 5, 64))
+    for c in batched:
+        c.update_and_fetch(*random_kv(2, 2, 5, 64))
+    caches = [ring(), batch(), quantized()] + single + batched
+    caches += [ring().to_quantized(64, 8), batch().to_quantized(64, 8)]
+    return {type(c).__name__: c for c in caches}
+
+
+TRIMMING = [
+    "RotatingKVCache",
+    "BatchRotatingKVCache",
+    "QuantizedKVCache",
+    "KVCache",
+    "ConcatenateKVCache",
+    "ChunkedKVCache",
+    "BatchKVCache",
+    "BatchQuantizedKVCache",
+    "QuantizedRotatingKVCache",
+    "BatchQuantizedRotatingKVCache",
+]
+
+
+@pytest.mark.parametrize("kind", TRIMMING)
+def test_negative_trim_of_every_cache_kind_raises_in_one_format(kind):
+    cache = every_cache_kind()[kind]
+    message = f"^{kind}.trim: n must be >= 0, got -1$"
+    raises_unchanged(cache, lambda: cache.trim(-1), ValueError, message)
 
 
 @pytest.mark.parametrize("make", [ring, batch])
@@ -324,6 +356,165 @@ def test_loading_a_file_missing_a_state_array_raises(cache_file):
     load_unchanged(cache_file, ValueError, "0.0")
 
 
+# Files whose states contradict their own metadata: raise naming the file,
+# the layer and what is wrong, before any cache is built
+
+
+def long_ring():
+    cache = RotatingKVCache(512, 4)
+    cache.update_and_fetch(*random_kv(1, 2, 366, 4))
+    return cache
+
+
+def wrapped_ring():
+    cache = RotatingKVCache(366, 4)
+    cache.update_and_fetch(*random_kv(1, 2, 400, 4))
+    for _ in range(3):  # _idx moves off the end, unlike upstream's longer rings
+        cache.update_and_fetch(*random_kv(1, 2, 1, 4))
+    return cache
+
+
+def kv_cache():
+    cache = KVCache()
+    cache.update_and_fetch(*random_kv(1, 2, 10, 4))  # held in 256 slots
+    return cache
+
+
+def batch_kv():
+    cache = BatchKVCache([0, 2])
+    cache.update_and_fetch(*random_kv(2, 2, 6, 4))
+    return cache
+
+
+def cut(keys):
+    return keys[..., :50, :]
+
+
+# (cache, {state entry of layer 1: new value}, {metadata entry: new value},
+#  class named in the error, the inconsistency it names)
+INCONSISTENT = {
+    "offset past the stored tokens": (
+        long_ring,
+        {"1.2": 400},
+        {},
+        "RotatingKVCache",
+        "366 tokens stored for offset 400",
+    ),
+    "keep > max_size": (
+        long_ring,
+        {"1.3": 600},
+        {},
+        "RotatingKVCache",
+        "keep 600 and max_size 512",
+    ),
+    "max_size under the stored tokens": (
+        wrapped_ring,
+        {"1.4": 10},
+        {},
+        "RotatingKVCache",
+        "366 tokens stored, more than max_size 10",
+    ),
+    "keys cut to 50 tokens": (
+        long_ring,
+        {"1.0": cut},
+        {},
+        "RotatingKVCache",
+        r"keys \(1, 2, 50, 4\).*differ",
+    ),
+    "negative offset": (
+        long_ring,
+        {"1.2": -1},
+        {},
+        "RotatingKVCache",
+        "offset -1 is negative",
+    ),
+    "max_size 0": (
+        long_ring,
+        {"1.4": 0},
+        {},
+        "RotatingKVCache",
+        "keep 4 and max_size 0",
+    ),
+    "_idx off the ring": (
+        long_ring,
+        {"1.5": 3},
+        {},
+        "RotatingKVCache",
+        "_idx 3 does not fit offset 366",
+    ),
+    "a ring state named QuantizedKVCache": (
+        long_ring,
+        {},
+        {"1.1": "QuantizedKVCache"},
+        "QuantizedKVCache",
+        "6 state items, a QuantizedKVCache has 5 or 7",
+    ),
+    "KVCache offset past its buffer": (
+        kv_cache,
+        {"1.2": 300},
+        {},
+        "KVCache",
+        "offset 300 is not within the 256 tokens",
+    ),
+    "quantized bits changed": (
+        quantized,
+        {"1.4": 4},
+        {},
+        "QuantizedKVCache",
+        "packed width 16 and 1 groups do not fit bits=4, group_size=64",
+    ),
+    "quantized offset past the stored tokens": (
+        quantized,
+        {"1.2": 50},
+        {},
+        "QuantizedKVCache",
+        "offset 50 is not within the 5",
+    ),
+    "batch offsets that do not add up": (
+        batch_kv,
+        {"1.2": mx.array([6, 9])},
+        {},
+        "BatchKVCache",
+        r"offset \[6, 9\] \+ left_padding \[0, 2\] is not _idx 6",
+    ),
+    "batch ring with a row missing from left_padding": (
+        batch,
+        {"1.3": mx.array([0])},
+        {},
+        "BatchRotatingKVCache",
+        "not one entry per row",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INCONSISTENT)
+def test_loading_an_inconsistent_state_raises_naming_file_layer_and_what(
+    case, tmp_path, monkeypatch
+):
+    make, entries, meta, cls, what = INCONSISTENT[case]
+    path = tmp_path / "edited.safetensors"
+    save_prompt_cache(str(path), [make(), make()])
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    for k, value in entries.items():
+        arrays[k] = value(arrays[k]) if callable(value) else mx.array(value)
+    mx.save_safetensors(str(path), arrays, {**metadata, **meta})
+
+    def build(cls, state):
+        pytest.fail(f"{cls.__name__} built from an inconsistent file")
+
+    monkeypatch.setattr(cache_module._BaseCache, "from_state", classmethod(build))
+    where = f"^{re.escape(str(path))}: layer 1 \\({cls}\\): "
+    load_unchanged(path, ValueError, where + ".*" + what)
+
+
+def test_consistent_states_of_every_kind_load(tmp_path):
+    caches = [long_ring(), wrapped_ring(), kv_cache(), batch_kv()]
+    caches += every_cache_kind().values()
+    path = str(tmp_path / "all.safetensors")
+    save_prompt_cache(path, caches)
+    assert [type(c) for c in load_prompt_cache(path)] == [type(c) for c in caches]
+
+
 # Files written by upstream 0.32.2 (patches reverted) load and continue
 
 
@@ -359,16 +550,17 @@ def test_upstream_ring_file_loads_and_attends_like_the_reference(tmp_path, n):
         assert mx.allclose(out, ref, atol=1e-5).item()
 
 
-def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path):
+@pytest.mark.parametrize("n", [6, 12])  # 12: upstream's ring holds all 12
+def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path, n):
     def make():
         cache = BatchRotatingKVCache(8, [0, 2])
-        k, v = random_kv(2, 2, 6, 4)
+        k, v = random_kv(2, 2, n, 4)
         cache.update_and_fetch(k, v)
         return cache, (k, v)
 
     path, (hk, hv) = upstream_file(tmp_path, make)
     (cache,) = load_prompt_cache(str(path))
-    assert cache.keep == 0 and cache.offset.tolist() == [6, 4]
+    assert cache.keep == 0 and cache.offset.tolist() == [n, n - 2]
     k, v = random_kv(2, 2, 1, 4)
     q = mx.random.normal((2, 2, 1, 4))
     mask = cache.make_mask(1)
@@ -379,7 +571,7 @@ def test_upstream_batch_ring_file_loads_and_keeps_decoding(tmp_path):
             q[b : b + 1],
             hk[b : b + 1, :, pad:],
             hv[b : b + 1, :, pad:],
-            reference_mask(6 - pad, 1, 8),
+            reference_mask(n - pad, 1, 8),
         )
         assert mx.allclose(out[b : b + 1], ref, atol=1e-5).item()
 
@@ -402,60 +594,53 @@ def test_upstream_quantized_file_loads_with_its_tokens_and_dtype(tmp_path):
     assert cache.size() == 11
 
 
-# Patches applied to an mlx-lm they were not written for
+# KV quantization mx.quantize cannot do: refused before the first token,
+# not when the cache reaches quantized_kv_start
 
 
-def drifted(patch):
-    """``patch`` as if written against other upstream sources."""
-    targets = [
-        dataclasses.replace(t, fingerprint="000000000000")
-        for t in patch.targets
-        if t.fingerprint is not None
-    ]
-    return _registry.Patch("drifted_" + patch.name, patch.summary, targets)
+KV_ARGS = {
+    "bits 16": (
+        {"kv_bits": 16},
+        r"kv_bits \(--kv-bits\) must be 2, 3, 4, 5, 6 or 8, got 16",
+    ),
+    "group size 48": (
+        {"kv_bits": 8, "kv_group_size": 48},
+        r"kv_group_size \(--kv-group-size\) must be 32, 64 or 128, got 48",
+    ),
+}
 
 
-def upstream_objects():
-    return dict(vars(RotatingKVCache))
-
-
-def test_drifted_patch_warns_naming_it_and_leaves_upstream_unchanged():
-    mlx_lm_patched.revert()
-    before = upstream_objects()
-    with pytest.warns(PatchDriftWarning, match="drifted_rotating_prealloc.*changed"):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)])
-    assert not _registry.is_applied("drifted_rotating_prealloc")
-    assert upstream_objects() == before
-
-
-def test_drifted_patch_raises_with_strict_and_leaves_upstream_unchanged():
-    mlx_lm_patched.revert()
-    before = upstream_objects()
-    with pytest.raises(PatchDriftError, match="RotatingKVCache.trim changed"):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
-    assert upstream_objects() == before
-
-
-def test_another_installed_version_with_unchanged_sources_still_applies(monkeypatch):
-    """The version is only reported: fingerprints decide. An mlx-lm release
-    whose patched objects are unchanged gets the patches, and ``status``
-    shows both versions."""
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
-    mlx_lm_patched.revert()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        applied = mlx_lm_patched.apply(strict=True)
-    assert applied == [p.name for p in mlx_lm_patched.PATCHES]
-    status = mlx_lm_patched.status()["rotating_prealloc"]
-    assert (status["written_for"], status["installed"]) == ("0.32.2", "0.99.0")
-
-
-def test_another_installed_version_with_changed_sources_is_named_in_the_error(
-    monkeypatch,
+@pytest.mark.parametrize("case", KV_ARGS)
+def test_generate_step_refuses_unsupported_kv_quantization_before_any_token(
+    case, load_tiny
 ):
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
-    mlx_lm_patched.revert()
-    with pytest.raises(
-        PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
-    ):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
+    model, tokenizer = load_tiny("llama")
+    kwargs, message = KV_ARGS[case]
+    prompt = mx.array(tokenizer.encode("the cache forgets nothing"))
+    steps = generate_step(prompt, model, max_tokens=20, **kwargs)  # start: 5000
+    with pytest.raises(ValueError, match=message):
+        next(steps)
+
+
+@pytest.mark.parametrize("case", KV_ARGS)
+def test_batch_generate_refuses_unsupported_kv_quantization(case, load_tiny):
+    model, tokenizer = load_tiny("llama")
+    kwargs, message = KV_ARGS[case]
+    prompts = [tokenizer.encode("the cache"), tokenizer.encode("forgets nothing")]
+    with pytest.raises(ValueError, match=message):
+        batch_generate(model, tokenizer, prompts, max_tokens=20, **kwargs)
+
+
+@pytest.mark.parametrize("front", ["generate", "server"])
+def test_fronts_refuse_kv_bits_16_before_generating_or_serving(front, tiny_model_dir):
+    args = ["--model", str(tiny_model_dir), "--kv-bits", "16"]
+    args += ["--prompt", "hello"] if front == "generate" else ["--port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", f"mlx_lm_patched.{front}", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "kv_bits (--kv-bits) must be 2, 3, 4, 5, 6 or 8, got 16" in done.stderr
+    assert done.stdout.strip() in ("", "==========")

@@ -5,107 +5,23 @@ import random
 
 import mlx.core as mx
 import pytest
+from fuzzing import apply_batch_op, batch_ops, chunk_sizes, fuzz, prefill_chunks
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import (
     BatchRotatingKVCache,
-    RotatingKVCache,
     load_prompt_cache,
     make_prompt_cache,
     save_prompt_cache,
 )
-from ringref import attend, buffers_through, random_kv, reference_mask, save_load
+from ringref import (
+    Rows,
+    buffers_through,
+    random_kv,
+)
 
 import mlx_lm_patched
-
-H, D = 2, 4
-
-
-class Rows:
-    """A batch cache and, beside it, every real token of each row."""
-
-    def __init__(self, max_size, lengths, keep=0, window=None):
-        self.max_size, self.history, singles = max_size, [], []
-        # The newest token needs a slot: at most ``max_size - 1`` first tokens.
-        self.keep = min(keep, max_size - 1)
-        self.window = window  # a model's window_size, below max_size
-        for n in lengths:
-            single = RotatingKVCache(max_size, keep)
-            k, v = random_kv(1, H, n, D)
-            if n:
-                single.update_and_fetch(k, v)
-            singles.append(single)
-            self.history.append((k, v))
-        self.cache = BatchRotatingKVCache.merge(singles)
-
-    def check(self, S, lengths=None):
-        """One update of ``S`` columns (rows with ``lengths`` right-padded);
-        True if every real query's output equals the reference's."""
-        return self.check_prefill([S], lengths)
-
-    def check_prefill(self, chunks, lengths=None):
-        """``sum(chunks)`` columns in ``chunks``, rows with ``lengths`` real
-        tokens right-padded (prepare, the chunks, finalize, as
-        ``PromptProcessingBatch.prompt`` does); True if every real query's
-        output equals the reference's."""
-        B, total = len(self.history), sum(chunks)
-        lengths = lengths or [total] * B
-        if min(lengths) < total:
-            padding = [total - n for n in lengths]
-            self.cache.prepare(lengths=lengths, right_padding=padding)
-        ok, start = True, 0
-        for S in chunks:
-            k, v = random_kv(B, H, S, D)
-            q = mx.random.normal((B, H, S, D))
-            mask = self.cache.make_mask(S, window_size=self.window)
-            out = attend(q, *self.cache.update_and_fetch(k, v), mask)
-            for b, length in enumerate(lengths):
-                n = min(max(length - start, 0), S)  # real queries in the chunk
-                if n == 0:
-                    continue
-                hk, hv = self.history[b]
-                offset = hk.shape[2]
-                hk = mx.concatenate([hk, k[b : b + 1, :, :n]], axis=2)
-                hv = mx.concatenate([hv, v[b : b + 1, :, :n]], axis=2)
-                self.history[b] = (hk, hv)
-                window = min(self.window or self.max_size, self.max_size)
-                mask = reference_mask(offset, n, window, self.keep)
-                ref = attend(q[b : b + 1, :, :n], hk, hv, mask)
-                ok &= mx.allclose(out[b : b + 1, :, :n], ref, atol=1e-5).item()
-            start += S
-        self.cache.finalize()
-        return ok
-
-    def check_extract(self, b):
-        single, (hk, hv) = self.cache.extract(b), self.history[b]
-        k, v = random_kv(1, H, 1, D)
-        q = mx.random.normal((1, H, 1, D))
-        mask = single.make_mask(1, window_size=self.window)
-        out = attend(q, *single.update_and_fetch(k, v), mask)
-        hk, hv = mx.concatenate([hk, k], axis=2), mx.concatenate([hv, v], axis=2)
-        window = min(self.window or self.max_size, self.max_size)
-        mask = reference_mask(hk.shape[2] - 1, 1, window, self.keep)
-        ref = attend(q, hk, hv, mask)
-        return mx.allclose(out, ref, atol=1e-5).item()
-
-    @property
-    def B(self):
-        return len(self.history)
-
-    def room(self):
-        """Columns left until the ring's window is full (0 once it is)."""
-        return max(0, self.max_size - self.keep - self.cache._offset)
-
-    def save_load(self):
-        self.cache = save_load(self.cache)
-
-    def filter(self, rows):
-        self.cache.filter(mx.array(rows))
-        self.history = [self.history[i] for i in rows]
-
-    def extend(self, n):
-        other = Rows(self.max_size, [n], self.keep, self.window)
-        self.cache.extend(other.cache)
-        self.history += other.history
 
 
 def random_session(rng, keep=0, window=None):
@@ -325,3 +241,35 @@ def test_batched_rows_with_keep_equal_their_single_streams(load_tiny, patched):
     mlx_lm_patched.revert()
     theirs, singles = run()
     assert theirs != singles
+
+
+@st.composite
+def batch_sessions(draw):
+    max_size = draw(st.sampled_from([2, 3, 4, 6, 8, 16]))
+    keep = draw(st.sampled_from([k for k in (0, 0, 1, 2, 4) if k < max_size]))
+    lengths = draw(st.lists(st.integers(0, 2 * max_size), min_size=1, max_size=3))
+    ops = draw(st.lists(batch_ops(max_size), min_size=1, max_size=12))
+    if draw(st.booleans()):
+        # As BatchGenerator starts new prompts: an empty batch, right-padded.
+        lengths = [0] * draw(st.integers(2, 3))
+        ops.insert(0, ("prefill", draw(prefill_chunks(chunk_sizes(max_size)))))
+    return max_size, keep, lengths, ops
+
+
+@fuzz
+@given(batch_sessions(), st.integers(0, 2**31 - 1), st.randoms(use_true_random=False))
+def test_every_batch_row_sees_its_own_window_through_random_operations(
+    session, seed, rng
+):
+    """Merge singles (with or without keep), then decode, chunks, right-padded
+    chunks, right-padded prefills in several chunks, extract, filter, extend
+    and save/load in any order: every real query of every row attends to
+    exactly its reference window."""
+    max_size, keep, lengths, ops = session
+    mx.random.seed(seed)
+    rows = Rows(max_size, lengths, keep)
+    for op, n in ops:
+        assert apply_batch_op(rows, op, n, rng)
+        assert rows.cache.offset.tolist() == [h[0].shape[2] for h in rows.history]
+        # What each row holds now, as its next decode step would see it.
+        assert all(rows.check_extract(b) for b in range(rows.B))

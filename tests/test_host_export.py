@@ -173,5 +173,6 @@ def test_host_snapshot_written_by_another_thread_loads_bit_exactly(tmp_path):
     writer.join()
     loaded = load_prompt_cache(path)
     assert same(loaded[0].state, caches[0].state)
-    assert loaded[0].state[3:] == (64, 4, "bfloat16", (64, 64))
+    q = loaded[0]
+    assert (q.group_size, q.bits, q.dtype, q.head_dims) == (64, 4, "bfloat16", (64, 64))
     assert same(loaded[1].state, caches[1].state)

@@ -84,10 +84,10 @@ def test_changed_layers_are_warned_once(patched, load_tiny):
             make_prompt_cache(model, max_kv_size=48)
         make_prompt_cache(model, max_kv_size=40)
     assert [str(w.message) for w in record] == [
-        "max_kv_size=48 bounds 4 of 4 cache layers of Model: "
+        "max_kv_size=48 bounds 4 of 4 cache layers of llama: "
         "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(48, keep=0); "
         "layers 1, 3: KVCache -> RotatingKVCache(48, keep=4)",
-        "max_kv_size=40 bounds 4 of 4 cache layers of Model: "
+        "max_kv_size=40 bounds 4 of 4 cache layers of llama: "
         "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(40, keep=0); "
         "layers 1, 3: KVCache -> RotatingKVCache(40, keep=4)",
     ]

@@ -3,6 +3,9 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from fuzzing import dequantized, fuzz
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import (
     scaled_dot_product_attention,
@@ -14,10 +17,18 @@ from mlx_lm.models.cache import (
     load_prompt_cache,
     save_prompt_cache,
 )
-from ringref import active
+from ringref import (
+    active,
+    attend,
+    random_kv,
+    reference_mask,
+    same,
+    save_load,
+    upstream_twin,
+)
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched import quantized_cache, tiny
 
 pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory")
 
@@ -271,3 +282,94 @@ def test_greedy_tokens_with_kv_bits_match_upstream(kv_bits):
     patched = greedy_tokens(model, prompt, kv_bits)
     mlx_lm_patched.revert()
     assert patched == greedy_tokens(model, prompt, kv_bits)
+
+
+@st.composite
+def quantized_sessions(draw):
+    group_size = draw(st.sampled_from([32, 64]))
+    bits = draw(st.sampled_from([4, 8]))
+    dim = draw(st.sampled_from([32, 64, 64, 80]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    ops = st.one_of(
+        st.tuples(st.just("update"), st.integers(1, 96)),
+        st.tuples(st.just("update"), st.integers(1, 3)),
+        st.tuples(st.just("trim"), st.integers(0, 64)),
+        st.tuples(st.just("compact"), st.just(0)),
+        st.tuples(st.just("reserve"), st.integers(0, 256)),
+        st.tuples(st.just("save_load"), st.just(0)),
+    )
+    return group_size, bits, dim, dtype, draw(st.lists(ops, min_size=1, max_size=12))
+
+
+@fuzz
+@given(quantized_sessions(), st.integers(0, 2**31 - 1))
+def test_quantized_cache_holds_its_tokens_within_quantization_error(session, seed):
+    """A quantized cache dequantizes to exactly the tokens of a ``KVCache``
+    fed the same, each quantized on its own; attention through it equals
+    attention over them; its bookkeeping equals upstream's (where upstream can
+    quantize the head dim) and save/load is bit-exact."""
+    group_size, bits, dim, dtype, ops = session
+    dtype = getattr(mx, dtype)
+    mx.random.seed(seed)
+    ours, plain = QuantizedKVCache(group_size=group_size, bits=bits), KVCache()
+    theirs = None
+    if dim % group_size == 0:
+        Upstream = upstream_twin(quantized_cache.PATCH, QuantizedKVCache)
+        theirs = Upstream(group_size=group_size, bits=bits)
+    for op, n in ops:
+        if op == "update":
+            k, v = (x.astype(dtype) for x in random_kv(1, 2, n, dim))
+            q = mx.random.normal((1, 4, n, dim)).astype(dtype)
+            offset = ours.offset
+            out = scaled_dot_product_attention(
+                q, *ours.update_and_fetch(k, v), ours, 1.0, "causal"
+            )
+            keys, values = plain.update_and_fetch(k, v)
+            dk, dv = (
+                dequantized(x, group_size, bits, dim).astype(mx.float32)
+                for x in (keys, values)
+            )
+            mask = reference_mask(offset, n, offset + n)
+            q = q.astype(mx.float32)
+            ref = attend(q, mx.repeat(dk, 2, 1), mx.repeat(dv, 2, 1), mask)
+            # bfloat16 scores differ by rounding alone: check float32 only.
+            if dtype == mx.float32:
+                assert mx.allclose(out, ref, atol=1e-5).item()
+            if theirs is not None:
+                fetched = theirs.update_and_fetch(k, v)
+                got = ours.keys_and_values()
+                pairs = zip([*got[0], *got[1]], [*fetched[0], *fetched[1]])
+                assert all(same(a, b) for a, b in pairs)
+        elif op == "trim":
+            trimmed = plain.trim(n)
+            assert ours.trim(n) == trimmed
+            if theirs is not None:
+                assert theirs.trim(n) == trimmed
+        elif op == "compact":
+            ours.compact()
+            assert ours.keys is None or ours.keys[0].shape[2] == ours.offset
+        elif op == "reserve":
+            ours.reserve(n)
+        else:
+            before = ours.state
+            ours = save_load(ours)
+            after = ours.state
+            assert before[2:] == after[2:]
+            if before[0] is not None:
+                pairs = zip([*before[0], *before[1]], [*after[0], *after[1]])
+                assert all(same(a, b) for a, b in pairs)
+        assert ours.offset == ours.size() == plain.offset
+        if theirs is not None:
+            assert theirs.offset == ours.offset
+        kv = ours.to_kv_cache()
+        assert kv.offset == ours.offset
+        if ours.offset:
+            keys = plain.keys[..., : plain.offset, :]
+            values = plain.values[..., : plain.offset, :]
+            dk, dv = (dequantized(x, group_size, bits, dim) for x in (keys, values))
+            assert same(kv.keys, dk) and same(kv.values, dv)
+            # Half a quantization step, with room for bfloat16's rounding of
+            # the scales, biases and result (8 bits of mantissa).
+            rounding = 2.0**-5 if dtype == mx.bfloat16 else 0.0
+            err = (2.0 ** (2 - bits) + rounding) * mx.abs(keys).max().item()
+            assert mx.abs(kv.keys - keys).max().item() <= err

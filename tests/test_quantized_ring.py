@@ -13,10 +13,13 @@ import sys
 
 import mlx.core as mx
 import pytest
+from fuzzing import H, fuzz, layouts, ring_sessions, snapshot
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
-from ringref import data_pointer, random_kv, same, same_mask
+from ringref import data_pointer, random_kv, reference_mask, same, same_mask, save_load
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
 
@@ -283,3 +286,64 @@ if __name__ == "__main__":
         name = f"{family}, head_dim={head_dim}, max_kv_size={max_kv_size}"
         report[name] = quality(model, 500, max_kv_size)
     print(json.dumps(report, indent=2))
+
+
+def check_ring_state(ours, fp, window):
+    assert (ours.offset, ours._idx, ours.size()) == (fp.offset, fp._idx, fp.size())
+    assert ours.is_trimmable() == fp.is_trimmable()
+    for N in (1, 2, fp.max_size, fp.max_size + 1):
+        got = ours.make_mask(N, window_size=window, return_array=True)
+        assert same_mask(fp.make_mask(N, window_size=window, return_array=True), got)
+    kv = ours.to_kv_cache()
+    assert type(kv) is RotatingKVCache
+    if fp.offset == 0:
+        assert kv.offset == 0
+    else:
+        assert same(kv.state, fp.state)
+
+
+@fuzz
+@given(ring_sessions(), layouts, st.integers(0, 2**31 - 1))
+def test_quantized_ring_equals_the_fp_ring_fed_the_quantized_tokens(
+    session, layout, seed
+):
+    """Updates of 1 to ``2 * max_size`` tokens, trims and save/load: the
+    quantized ring keeps the fp ring's offsets, slots and masks, hands
+    attention exactly the fp ring's tokens, attends as plain attention over
+    them (which sees the reference window) and exports the fp ring's state."""
+    max_size, keep, window, ops = session
+    mx.random.seed(seed)
+    fp = RotatingKVCache(max_size, keep)
+    ours = RotatingKVCache(max_size, keep).to_quantized(layout.group_size, layout.bits)
+    hk, hv = (mx.zeros((1, H, 0, layout.dim), layout.dtype) for _ in range(2))
+    for op, n in ops:
+        if op == "trim":
+            if not fp.is_trimmable():
+                continue
+            trimmed = fp.trim(n)
+            assert ours.trim(n) == trimmed == min(n, hk.shape[2])
+            hk, hv = hk[..., : fp.offset, :], hv[..., : fp.offset, :]
+        elif op == "save_load":
+            before = ours.state
+            ours, fp = save_load(ours), save_load(fp)
+            assert same(ours.state, before)
+        else:
+            (k, v), (rk, rv) = layout.kv(1, n)
+            q = layout.queries(1, n)
+            offset = fp.offset
+            fmask = fp.make_mask(n, window_size=window)
+            qmask = ours.make_mask(n, window_size=window)
+            assert same_mask(fmask, qmask)
+            fkv = snapshot(fp.update_and_fetch(rk, rv))
+            qkv = snapshot(ours.update_and_fetch(k, v))
+            assert same([layout.tokens(ours, p) for p in qkv], fkv)
+            got, want = layout.attention(q, ours, qkv, qmask, fkv, fmask)
+            assert layout.close(got, want)
+            hk = mx.concatenate([hk, rk], axis=2)
+            hv = mx.concatenate([hv, rv], axis=2)
+            window_seen = min(window or max_size, max_size)
+            ref_mask = reference_mask(offset, n, window_seen, keep)
+            _, ref = layout.attention(q, ours, qkv, qmask, (hk, hv), ref_mask)
+            assert mx.allclose(want, ref, atol=1e-5).item()
+        assert fp.offset == hk.shape[2]
+        check_ring_state(ours, fp, window)

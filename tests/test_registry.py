@@ -5,15 +5,22 @@ Drift is checked with a test-only patch of a real mlx-lm class, so it does not
 depend on which real patches exist.
 """
 
+import dataclasses
 import inspect
 import sys
+import warnings
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache
 
 import mlx_lm_patched
-from mlx_lm_patched import PatchDriftError, PatchDriftWarning, _registry
+from mlx_lm_patched import (
+    PatchDriftError,
+    PatchDriftWarning,
+    _registry,
+    rotating_prealloc,
+)
 
 OWNER = "mlx_lm.models.cache:ChunkedKVCache"
 MISSING = object()
@@ -338,3 +345,38 @@ def test_a_declared_name_upstream_lacks_keeps_the_patch_off(probe):
     with pytest.warns(PatchDriftWarning, match="renamed_upstream is missing"):
         assert "test_probe" not in _registry.apply_patches([probe])
     assert "added_by_probe" not in ChunkedKVCache.__dict__
+
+
+def drifted(patch):
+    """``patch`` as if written against other upstream sources."""
+    targets = [
+        dataclasses.replace(t, fingerprint="000000000000")
+        for t in patch.targets
+        if t.fingerprint is not None
+    ]
+    return _registry.Patch("drifted_" + patch.name, patch.summary, targets)
+
+
+def test_another_installed_version_with_unchanged_sources_still_applies(monkeypatch):
+    """The version is only reported: fingerprints decide. An mlx-lm release
+    whose patched objects are unchanged gets the patches, and ``status``
+    shows both versions."""
+    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    mlx_lm_patched.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        applied = mlx_lm_patched.apply(strict=True)
+    assert applied == [p.name for p in mlx_lm_patched.PATCHES]
+    status = mlx_lm_patched.status()["rotating_prealloc"]
+    assert (status["written_for"], status["installed"]) == ("0.32.2", "0.99.0")
+
+
+def test_another_installed_version_with_changed_sources_is_named_in_the_error(
+    monkeypatch,
+):
+    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    mlx_lm_patched.revert()
+    with pytest.raises(
+        PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
+    ):
+        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)

@@ -4,6 +4,9 @@ import random
 
 import mlx.core as mx
 import pytest
+from fuzzing import fuzz, ring_sessions
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     KVCache,
@@ -17,6 +20,8 @@ from ringref import (
     buffers_through,
     random_kv,
     reference_mask,
+    same,
+    save_load,
     upstream_twin,
 )
 
@@ -27,12 +32,6 @@ from mlx_lm_patched import rotating_prealloc
 @pytest.fixture
 def Upstream(patched):
     return upstream_twin(rotating_prealloc.PATCH, RotatingKVCache)
-
-
-def same(a, b):
-    if isinstance(a, mx.array) and isinstance(b, mx.array):
-        return a.shape == b.shape and mx.array_equal(a, b).item()
-    return type(a) is type(b) and a == b
 
 
 def random_updates(rng, max_size):
@@ -335,3 +334,52 @@ def test_keep_ring_matches_the_reference_where_upstream_does_not(load_tiny, patc
     theirs = greedy(model, prompt, ring(), 200, prefill_step_size=96)
     assert ours == reference == one_by_one
     assert theirs != reference
+
+
+@fuzz
+@given(ring_sessions(), st.integers(0, 2**31 - 1))
+def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session, seed):
+    """Ours sees what an unbounded cache with a keep-and-window mask sees
+    (the window capped at the ring); with ``keep=0`` and a window no larger
+    than the ring upstream returns the very same arrays and masks."""
+    max_size, keep, window, ops = session
+    mx.random.seed(seed)
+    ours = RotatingKVCache(max_size, keep)
+    theirs = None
+    if keep == 0 and (window or max_size) <= max_size:
+        theirs = upstream_twin(rotating_prealloc.PATCH, RotatingKVCache)(max_size)
+    hk, hv = random_kv(1, 2, 0, 4)
+    for op, n in ops:
+        if op == "trim":
+            if not ours.is_trimmable():
+                continue
+            assert ours.trim(n) == min(n, hk.shape[2])
+            if theirs is not None:
+                assert theirs.trim(n) == min(n, hk.shape[2])
+            hk, hv = hk[..., : ours.offset, :], hv[..., : ours.offset, :]
+        elif op == "save_load":
+            ours = save_load(ours)
+            if theirs is not None:
+                theirs = type(theirs).from_state(theirs.state)
+        else:
+            k, v = random_kv(1, 2, n, 4)
+            q = mx.random.normal((1, 2, n, 4))
+            offset = ours.offset
+            mask = ours.make_mask(n, window_size=window)
+            # Snapshot: the next update writes into the returned ring.
+            got = [mx.array(x) for x in ours.update_and_fetch(k, v)]
+            hk = mx.concatenate([hk, k], axis=2)
+            hv = mx.concatenate([hv, v], axis=2)
+            ref_mask = reference_mask(
+                offset, n, min(window or max_size, max_size), keep
+            )
+            ref = attend(q, hk, hv, ref_mask)
+            assert mx.allclose(attend(q, *got, mask), ref, atol=1e-5).item()
+            if theirs is not None:
+                assert same(theirs.make_mask(n, window_size=window), mask)
+                fetched = theirs.update_and_fetch(k, v)
+                assert all(same(a, b) for a, b in zip(got, fetched))
+        assert ours.offset == hk.shape[2]
+        assert ours.size() == min(ours.offset, max_size)
+        if theirs is not None:
+            assert theirs.offset == ours.offset

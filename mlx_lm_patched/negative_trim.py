@@ -1,0 +1,57 @@
+"""Every cache rejects a negative trim.
+
+Upstream's ``trim(n)`` takes ``min(offset, n)`` tokens off, so ``trim(-1)``
+grows the offset by one (``KVCache`` 10 -> 11), past the tokens the cache
+holds; ``can_trim_prompt_cache``/``trim_prompt_cache`` pass a negative count
+straight through (ml-explore/mlx-lm#1868). Here ``KVCache``,
+``ConcatenateKVCache``, ``ChunkedKVCache`` and ``BatchKVCache`` raise
+``ValueError("<Class>.trim: n must be >= 0, got -1")`` and change nothing,
+as the rings and the quantized caches do in their own patches.
+"""
+
+from ._registry import Patch, class_patch
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
+class KVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+
+class ChunkedKVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"ChunkedKVCache.trim: n must be >= 0, got {n}")
+        n = min(self.offset - self.start_position, n)
+        self.offset -= n
+        return n
+
+
+class BatchKVCache:
+    def trim(self, n):
+        if n < 0:
+            raise ValueError(f"{type(self).__name__}.trim: n must be >= 0, got {n}")
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+
+PATCH = Patch(
+    "negative_trim",
+    "KVCache, ConcatenateKVCache, ChunkedKVCache, BatchKVCache: trim(n < 0) raises",
+    class_patch("mlx_lm.models.cache:KVCache", KVCache, {"trim": "6ebc79648024"})
+    + class_patch(
+        "mlx_lm.models.cache:ConcatenateKVCache", KVCache, {"trim": "6ebc79648024"}
+    )
+    + class_patch(
+        "mlx_lm.models.cache:ChunkedKVCache", ChunkedKVCache, {"trim": "559a164e9c37"}
+    )
+    + class_patch(
+        "mlx_lm.models.cache:BatchKVCache", BatchKVCache, {"trim": "f3009f8ac54b"}
+    ),
+)

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import types
+import unittest
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ import mlx_lm_patched
 from mlx_lm_patched import _registry
 from mlx_lm_patched._registry import REMOVED, Patch, Target, class_patch
 from tools import rewrite, testedits
-from tools.check import added_tests_fail_before, check_patches, check_uses
+from tools.check import added_tests_alone, check_patches, check_uses
 from tools.dep3 import bug_links, today
 from tools.hub import build_hub_standins
 from tools.release import check_targets
@@ -374,7 +375,7 @@ class TestPromptCache:
         self.assertEqual(cache.size(), 0)
 
 
-class TestThrowaway:
+class TestThrowaway(unittest.TestCase):
     def test_describe(self):
         self.assertIn("offset=0", KVCache().describe())
 
@@ -415,7 +416,8 @@ def test_tests_go_into_upstreams_test_files(sdist, tmp_path, monkeypatch):
     cls = text.index("\nclass TestPromptCache(")
     method = text.index("    def test_throwaway_size_is_offset(self):\n")
     assert cls < method < text.index("\nclass ", cls + 1)
-    assert "\n\n\nclass TestThrowaway:\n    def test_describe(self):\n" in text
+    new_class = "\n\n\nclass TestThrowaway(unittest.TestCase):\n    def test_describe("
+    assert new_class in text
     assert text.index("class TestThrowaway") < text.index('if __name__ == "__main__":')
     diff = series.files["01-throwaway.patch"]
     assert diff.index("+++ b/mlx_lm/models/cache.py") < diff.index(f"+++ b/{rel}")
@@ -430,8 +432,8 @@ def test_test_edit_that_does_not_match_once_is_an_error(sdist, monkeypatch):
 
 @pytest.mark.slow
 def test_added_test_passing_without_its_patch_is_flagged(sdist, tmp_path, monkeypatch):
-    """check-patches runs each patch's tests on the source before it: one
-    that passes there does not test the patch."""
+    """check-patches runs each patch's tests on the source before it (one
+    that passes there does not test the patch) and up to it (they pass)."""
     rel = "tests/test_prompt_cache.py"
     patches = [
         _with_tests(
@@ -440,9 +442,9 @@ def test_added_test_passing_without_its_patch_is_flagged(sdist, tmp_path, monkey
     ]
     series = generate(patches, sdist, tmp_path / "patches")
     build_hub_standins(tmp_path)
-    assert added_tests_fail_before(series, patches, tmp_path) == [
+    assert added_tests_alone(series, patches, tmp_path) == [
         "test_prompt_cache.py::TestPromptCache::test_throwaway_size_is_offset "
-        "(01-throwaway.patch) passes without the patch: it does not test it"
+        "(01-throwaway.patch) passed without the patch: it does not test it"
     ]
 
 

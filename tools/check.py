@@ -3,8 +3,8 @@ apply with ``patch -p1 --fuzz=0`` to the pinned sdist, do the fingerprints
 match its source, does the patched source define every name it reads (and
 ``Patch.uses`` declare each one taken from upstream), does it import, and
 does upstream's own test suite pass on the patched source (no worse than on
-the pristine sdist; each test a patch adds passing with it, failing
-without)."""
+the pristine sdist; each test a patch adds passing with it and the
+patches before it, failing without it)."""
 
 import tempfile
 import textwrap
@@ -103,26 +103,36 @@ def _first_import_error(series: Series, work: Path) -> List[str]:
     return ["the patched modules do not import"]
 
 
-def added_tests_fail_before(
+def added_tests_alone(
     series: Series, patches: Sequence[Patch], work: Path
 ) -> List[str]:
-    """Each test a patch adds must fail on the source before that patch (its
-    tests and the earlier patches' in place)."""
+    """Each test a patch adds must fail on the source before that patch and
+    pass on the source up to it: the patch's pull request stands on the
+    earlier ones alone, and its tests test it."""
     problems = []
     before: Dict[str, str] = {}
     for patch, (name, after) in zip(patches, series.steps):
         ids = added_tests(patch)
-        if ids:
-            files = {rel: t for rel, t in after.items() if not is_source(rel)}
-            files.update({rel: t for rel, t in before.items() if is_source(rel)})
-            label = f"before-{patch.name}"
-            tree = tree_with(work / label, files)
+        tests = {rel: t for rel, t in after.items() if not is_source(rel)}
+        for when, step in (("without", before), ("with", after)):
+            if not ids:
+                break
+            sources = {rel: t for rel, t in step.items() if is_source(rel)}
+            label = f"{when}-{patch.name}"
+            tree = tree_with(work / label, {**tests, **sources})
             run = run_tests(label, work, tree / "tests", tree, files=ids).tests()
-            problems += [
-                f"{i} ({name}) passes without the patch: it does not test it"
-                for i in ids
-                if run.get(i, {}).get("outcome") in ("passed", "skipped", "xfailed")
-            ]
+            for i in ids:
+                got = run.get(i, {"outcome": "not run", "reason": ""})
+                if when == "without" and got["outcome"] in ("passed", "skipped"):
+                    problems.append(
+                        f"{i} ({name}) {got['outcome']} without the patch: "
+                        "it does not test it"
+                    )
+                elif when == "with" and got["outcome"] != "passed":
+                    problems.append(
+                        f"{i} ({name}) {got['outcome']} on the source up to the "
+                        f"patch: {got['reason']}"
+                    )
         before = after
     return problems
 
@@ -171,6 +181,8 @@ def check_patches(
         worse, report = against_unpatched(runs, "patched-source", work, False, suite)
         log(report)
         problems += [f"upstream's suite on the patched source: {w}" for w in worse]
-        problems += added_tests_fail_before(series, patches, runs)
+        problems += added_tests_alone(series, patches, runs)
+        added = sum(len(added_tests(p)) for p in patches)
+        log(f"each of the {added} tests the patches add: run without and with it")
         log(f"logs: {runs}")
     return problems

@@ -6,7 +6,7 @@ PYTHON := $(BIN)/python
 EXTRAS ?= cpu,test,bench
 SRC := mlx_lm_patched tools tests
 
-.PHONY: venv demo test lint format bench patches check-patches vendor \
+.PHONY: venv demo test acceptance lint format bench patches check-patches vendor \
 	upstream-test check-upstream fuzz soak
 
 ifeq ($(origin VENV),command line)
@@ -29,7 +29,12 @@ demo: venv
 	$(PYTHON) -m mlx_lm_patched.demo
 
 test: venv
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not acceptance"
+
+# The command-line fronts, the server, batch_generate and 2 ranks end to end
+# (tests/acceptance, about 4 CPU-minutes).
+acceptance: venv
+	$(PYTHON) -m pytest -q -rxX -m acceptance tests/acceptance
 
 lint: venv
 	$(BIN)/black --check $(SRC)

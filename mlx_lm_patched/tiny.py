@@ -89,6 +89,8 @@ FAMILIES = {
         "query_pre_attn_scalar": 16,
         "rope_local_base_freq": 10000.0,
     },
+    # The family whose model has both shard() and pipeline() (PipelineMixin).
+    "qwen2": {"model_type": "qwen2"},
 }
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}

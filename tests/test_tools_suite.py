@@ -9,7 +9,14 @@ import mlx_lm_patched
 from tools import all_patches
 from tools.hub import build_hub_standins
 from tools.series import generate, is_source
-from tools.suite import Run, compare_runs, defined_tests, run_tests, tree_with
+from tools.suite import (
+    Run,
+    _baseline_key,
+    compare_runs,
+    defined_tests,
+    run_tests,
+    tree_with,
+)
 
 
 def _run(label, results):
@@ -89,3 +96,11 @@ def test_runs_import_the_tree_they_are_given(sdist, tmp_path):
     assert worse == [], text
     # setUpClass loaded the stand-in through mlx_lm.utils.load.
     assert all(v["outcome"] == "passed" for v in mono.tests().values()), text
+
+
+def test_the_unpatched_run_is_reused_only_for_the_same_selection():
+    files = ["test_prompt_cache.py", "test_models.py"]
+    key = _baseline_key(files, [])
+    assert key == _baseline_key(list(files), [])
+    assert key != _baseline_key(files[:1], [])
+    assert key != _baseline_key(files, ["-k", "rotating"])

@@ -10,6 +10,8 @@ test the series adds must pass.
 """
 
 import ast
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Set, Tuple
 
+from mlx_lm_patched import tiny
 from mlx_lm_patched._registry import UPSTREAM_VERSION
 
-from . import ROOT
+from . import ROOT, hub, pytest_plugin
 from .hub import build_hub_standins, hub_cache
 from .pytest_plugin import MONKEYPATCH_ENV, RANK, REPORT_ENV, SOURCE_ENV
-from .sdist import fresh_tree
+from .sdist import CACHE, fresh_tree
 
 # Upstream test files that exercise the caches and run offline once the hub
 # model they load is replaced by a tiny local one.
@@ -203,6 +206,34 @@ def tree_with(dest: Path, files: Dict[str, str]) -> Path:
     return dest
 
 
+def _baseline_key(files: Sequence[str], extra: Sequence[str]) -> str:
+    """What the unpatched run's outcomes depend on: the pinned sdist, the
+    test selection, the interpreter and every installed distribution, and
+    the code that builds the stand-ins and runs the tests."""
+    parts = [UPSTREAM_VERSION, *files, "--", *extra, sys.version]
+    dists = importlib.metadata.distributions()
+    parts += sorted(f"{d.metadata['Name']}=={d.version}" for d in dists)
+    for module in (hub, pytest_plugin, sys.modules[__name__], tiny):
+        parts.append(Path(module.__file__).read_text())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def unpatched_run(
+    work: Path, pristine: Path, files: Sequence[str], extra: Sequence[str]
+) -> Run:
+    """The run on the pristine sdist, reused from ``.upstream/`` when nothing
+    it depends on changed (``check-patches`` and ``test`` both need it)."""
+    cached = CACHE / f"baseline-{_baseline_key(files, extra)}.json"
+    if cached.exists():
+        return Run("unpatched", json.loads(cached.read_text()), 0, cached)
+    run = run_tests(
+        "unpatched", work, pristine / "tests", pristine, False, files, extra
+    )
+    if run.tests() and run.returncode in (0, 1):
+        cached.write_text(json.dumps(run.results, indent=1, sort_keys=True))
+    return run
+
+
 def against_unpatched(
     work: Path,
     label: str,
@@ -217,7 +248,7 @@ def against_unpatched(
     build_hub_standins(work)
     pristine = tree_with(work / "unpatched", {})
     runs = [
-        run_tests("unpatched", work, pristine / "tests", pristine, False, files, extra),
+        unpatched_run(work, pristine, files, extra),
         run_tests(label, work, tree / "tests", tree, monkeypatch, files, extra),
     ]
     for run in runs:

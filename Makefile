@@ -4,12 +4,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 EXTRAS ?= cpu,test,bench
-SRC := mlx_lm_patched tests
+SRC := mlx_lm_patched tools tests
 
 .PHONY: venv demo test acceptance lint format bench patches check-patches vendor \
 	upstream-test check-upstream fuzz soak
 
+ifeq ($(origin VENV),command line)
+# A virtual environment named on the command line (CI's, or another
+# checkout's) is used as it is, made only if missing: reinstalling it would
+# point its editable install at this checkout.
+venv:
+	@test -x $(PYTHON) || $(MAKE) --no-print-directory $(VENV)/.installed
+else
 venv: $(VENV)/.installed
+endif
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,19 +48,19 @@ bench: venv
 	$(PYTHON) -m mlx_lm_patched.bench all
 
 patches: venv
-	$(PYTHON) -m mlx_lm_patched.upstream patches
+	$(PYTHON) -m tools patches
 
 check-patches: venv
-	$(PYTHON) -m mlx_lm_patched.upstream check-patches
+	$(PYTHON) -m tools check-patches
 
 vendor: venv
-	$(PYTHON) -m mlx_lm_patched.upstream vendor
+	$(PYTHON) -m tools vendor
 
 upstream-test: venv
-	$(PYTHON) -m mlx_lm_patched.upstream test
+	$(PYTHON) -m tools test
 
 check-upstream: venv
-	$(PYTHON) -m mlx_lm_patched.upstream check-release $(VERSION)
+	$(PYTHON) -m tools check-release $(VERSION)
 
 fuzz: venv
 	MLX_LM_PATCHED_FUZZ_EXAMPLES=10000 $(PYTHON) -m pytest -q -m fuzz \

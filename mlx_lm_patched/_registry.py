@@ -42,9 +42,14 @@ def source_of(obj: Any) -> str:
     return textwrap.dedent(inspect.getsource(obj))
 
 
+def fingerprint_source(source: str) -> str:
+    """A short hash of source text, blank lines and comments kept."""
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
 def fingerprint(obj: Any) -> str:
-    """A short hash of an object's source, blank lines and comments kept."""
-    return hashlib.sha256(source_of(obj).encode()).hexdigest()[:12]
+    """``fingerprint_source`` of an object's source (``source_of``)."""
+    return fingerprint_source(source_of(obj))
 
 
 _MISSING = object()

@@ -158,14 +158,21 @@ PATCH = Patch(
     uses={
         "mlx_lm.generate": (
             "BatchCounters",
+            "DEFAULT_QUANTIZED_KV_START",
             "GenerationBatch",
+            "List",
+            "LogitsProcessor",
+            "Optional",
             "PromptProcessingBatch",
+            "Sampler",
+            "Sequence",
             "StopSequences",
             "deque",
             "functools",
             "generation_stream",
             "greedy_sampler",
             "maybe_set_recommended_wired_limit",
+            "nn",
         )
     },
 )

@@ -513,6 +513,7 @@ PATCH = Patch(
         "mlx_lm.models.cache": (
             "BatchKVCache",
             "BatchRotatingKVCache",
+            "List",
             "QuantizedKVCache",
             "RotatingKVCache",
             "dynamic_roll",

@@ -490,6 +490,8 @@ PATCH = Patch(
     requires=("rotating_prealloc",),
     uses={
         "mlx_lm.models.cache": (
+            "List",
+            "Optional",
             "RotatingKVCache",
             "mx",
         )

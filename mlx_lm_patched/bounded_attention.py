@@ -80,6 +80,7 @@ PATCH = Patch(
     ],
     uses={
         "mlx_lm.models.base": (
+            "Optional",
             "mx",
             "quantized_scaled_dot_product_attention",
         )

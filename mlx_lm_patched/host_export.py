@@ -128,6 +128,11 @@ PATCH = Patch(
     requires=("prompt_cache_files",),
     uses={
         "mlx_lm.models.cache": (
+            "Any",
+            "Dict",
+            "List",
+            "Optional",
+            "dataclass",
             "mx",
             "tree_flatten",
         )

@@ -121,8 +121,12 @@ PATCH = Patch(
     ],
     uses={
         "mlx_lm.models.cache": (
+            "Any",
             "KVCache",
+            "List",
+            "Optional",
             "RotatingKVCache",
+            "nn",
         )
     },
 )

@@ -157,6 +157,8 @@ PATCH = Patch(
     requires=("rotating_prealloc",),  # its _stored
     uses={
         "mlx_lm.models.cache": (
+            "Any",
+            "Dict",
             "_BaseCache",
             "mx",
             "tree_unflatten",

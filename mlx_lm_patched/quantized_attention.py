@@ -109,6 +109,7 @@ PATCH = Patch(
     ],
     uses={
         "mlx_lm.models.base": (
+            "Optional",
             "mx",
             "tree_map",
         )

@@ -228,6 +228,7 @@ PATCH = Patch(
     requires=("rotating_prealloc", "quantized_cache"),
     uses={
         "mlx_lm.models.cache": (
+            "Optional",
             "RotatingKVCache",
             "mx",
         )

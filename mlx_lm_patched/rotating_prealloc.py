@@ -260,5 +260,10 @@ PATCH = Patch(
             "_update_in_place": "72480bc8fe40",
         },
     ),
-    uses={"mlx_lm.models.cache": ("mx",)},
+    uses={
+        "mlx_lm.models.cache": (
+            "Optional",
+            "mx",
+        )
+    },
 )

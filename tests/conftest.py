@@ -85,3 +85,15 @@ def load_tiny(make_tiny_dir):
 def tiny_model_dir(make_tiny_dir):
     """llama with sliding (window 64) and full layers: RotatingKVCache and KVCache."""
     return make_tiny_dir("llama_sliding")
+
+
+@pytest.fixture(scope="session")
+def sdist():
+    """The pinned mlx-lm sdist, extracted (``tools.sdist``); without the
+    package index the test skips."""
+    from tools.sdist import UpstreamUnavailable, sdist_tree
+
+    try:
+        return sdist_tree()
+    except UpstreamUnavailable as e:
+        pytest.skip(f"package index unreachable, no mlx-lm sdist: {e}")

@@ -1,0 +1,461 @@
+"""The patch generator (tools/): a patch's targets and tests written into
+upstream's source as a diff, its DEP-3 header, and the check of the names
+its pasted code takes from upstream. Runs on throwaway patches against the
+pinned mlx-lm sdist (``.upstream/``); without the package index it skips.
+"""
+
+import logging
+import subprocess
+import sys
+import types
+import unittest
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm.models.cache as upstream_cache
+import pytest
+from mlx_lm.models.cache import _BaseCache
+
+import mlx_lm_patched
+from mlx_lm_patched import _registry
+from mlx_lm_patched._registry import REMOVED, Patch, Target, class_patch
+from tools import rewrite, testedits
+from tools.check import added_tests_alone, check_patches, check_uses
+from tools.dep3 import bug_links, today
+from tools.hub import build_hub_standins
+from tools.release import check_targets
+from tools.rewrite import GenerateError, reindent
+from tools.sdist import fresh_tree
+from tools.series import generate, read_series, write_patches
+from tools.source import source_from_text
+
+CACHE = "mlx_lm.models.cache"
+
+
+def _patch(tree: Path, patch_dir: Path, name: str):
+    cmd = ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "-d", str(tree)]
+    return subprocess.run(
+        cmd + ["-i", str(patch_dir / name)], capture_output=True, text=True
+    )
+
+
+# -- the generator, on a throwaway patch ----------------------------------------
+
+
+def _kv_size_times_one(cache) -> int:
+    """A new module-level helper used by the throwaway patch."""
+    return cache.offset * 1
+
+
+class KVCache:
+    def update_and_fetch(self, keys, values):
+        # replaced: same behaviour, written differently
+        out = self._grow_and_write(keys, values)
+        return out
+
+    def _grow_and_write(self, keys, values):
+        prev = self.offset
+        if self.keys is None or (prev + keys.shape[2]) > self.keys.shape[2]:
+            B, n_kv_heads, _, k_head_dim = keys.shape
+            v_head_dim = values.shape[3]
+            n_steps = (self.step + keys.shape[2] - 1) // self.step
+            k_shape = (B, n_kv_heads, n_steps * self.step, k_head_dim)
+            v_shape = (B, n_kv_heads, n_steps * self.step, v_head_dim)
+            new_k = mx.zeros(k_shape, keys.dtype)
+            new_v = mx.zeros(v_shape, values.dtype)
+            if self.keys is not None:
+                if prev % self.step != 0:
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+
+        self.offset += keys.shape[2]
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def size(self):
+        return _kv_size_times_one(self)
+
+    @property
+    def state(self):
+        """Replaced property: getter and setter."""
+        return (self.keys, self.values, self.offset)
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset = v
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def describe(self):
+        """A new method, last in the namespace: goes after ``state``."""
+        return f"KVCache(offset={self.offset})"
+
+
+def _fp(attr: str) -> str:
+    return _registry.fingerprint(_registry.get_original(f"{CACHE}:KVCache", attr))
+
+
+def _throwaway() -> Patch:
+    fps = {a: _fp(a) for a in ("update_and_fetch", "size", "state")}
+    fps.update(_grow_and_write=None, describe=None)
+    return Patch(
+        "throwaway",
+        # This project's own issue numbers stay out of the header.
+        "KVCache: a rewrite that changes nothing (ml-explore/mlx-lm#1) (issue 4)",
+        [Target(CACHE, "_kv_size_times_one", _kv_size_times_one, None)]
+        + class_patch(
+            f"{CACHE}:KVCache", KVCache, fps, removes={"nbytes": _fp("nbytes")}
+        ),
+        uses={CACHE: ("mx",)},
+    )
+
+
+class QuantizedKVCache:
+    def size(self):
+        return self.offset
+
+
+def _second() -> Patch:
+    owner = f"{CACHE}:QuantizedKVCache"
+    fp = _registry.fingerprint(_registry.get_original(owner, "size"))
+    return Patch(
+        "second",
+        "QuantizedKVCache: own size",
+        class_patch(owner, QuantizedKVCache, {"size": fp}),
+    )
+
+
+def _load_patched_cache(tree: Path):
+    """Import ``tree``'s cache.py as a sibling of upstream's cache module."""
+    import importlib.util
+
+    name = "mlx_lm.models._upstream_test_cache"
+    spec = importlib.util.spec_from_file_location(name, tree / "mlx_lm/models/cache.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_generated_series_applies_and_runs_like_the_monkeypatch(sdist, tmp_path):
+    patches = [_throwaway(), _second()]
+    patch_dir = tmp_path / "patches"
+    series = generate(patches, sdist, patch_dir)
+    assert series.warnings == []
+    write_patches(series, patch_dir)
+    assert read_series(patch_dir) == ["01-throwaway.patch", "02-second.patch"]
+    assert check_patches(patch_dir, patches) == []
+
+    first = (patch_dir / "01-throwaway.patch").read_text()
+    assert first.startswith(
+        "Description: KVCache: a rewrite that changes nothing (ml-explore/mlx-lm#1)\n"
+    )
+    assert "Bug: https://github.com/ml-explore/mlx-lm/issues/1\n" in first
+    assert "--- a/mlx_lm/models/cache.py\n+++ b/mlx_lm/models/cache.py\n" in first
+    second = (patch_dir / "02-second.patch").read_text()
+    assert "QuantizedKVCache" in second and "_grow_and_write" not in second
+
+    tree = fresh_tree(tmp_path / "tree")
+    for name in read_series(patch_dir):
+        r = _patch(tree, patch_dir, name)
+        assert r.returncode == 0, r.stdout + r.stderr
+    text = (tree / "mlx_lm/models/cache.py").read_text()
+    assert text == series.final["mlx_lm/models/cache.py"]
+
+    # Placement: helper before KVCache (its first user), new method after the
+    # replaced one before it in the namespace, property as one block, removal.
+    kv = text.index("\nclass KVCache")
+    assert text.index("\ndef _kv_size_times_one(cache)") < kv
+    body = text[kv : text.index("\nclass ", kv + 1)]
+    order = ["def update_and_fetch", "def _grow_and_write", "def size", "def state"]
+    assert [body.index(x) for x in order] == sorted(body.index(x) for x in order)
+    assert body.index("def state") < body.index("def describe")
+    assert "def nbytes" not in body and "@state.setter" in body
+    assert source_from_text(text, "KVCache", "state")[0] == (
+        _registry.source_of(KVCache.__dict__["state"])
+    )
+
+    vendored = _load_patched_cache(tree)
+    mlx_lm_patched.revert()
+    try:
+        _registry.apply_patches(patches, strict=True)
+        for k in (1, 5, 300):
+            a, b = vendored.KVCache(), upstream_cache.KVCache()
+            x = mx.arange(2 * k * 4, dtype=mx.float32).reshape(1, 2, k, 4)
+            for c in (a, b):
+                c.update_and_fetch(x, x)
+                c.update_and_fetch(x, x)
+            assert a.size() == b.size() == 2 * k
+            assert a.describe() == b.describe()
+            assert all(mx.array_equal(p, q) for p, q in zip(a.state, b.state))
+            assert "nbytes" not in vars(type(a)) and "nbytes" not in vars(type(b))
+    finally:
+        _registry.revert_patches(patches)
+        mlx_lm_patched.apply()
+
+
+_LIMIT = 1 << 20  # written as source, not as 1048576
+
+
+def _log_size(cache):
+    logging.getLogger(__name__).debug("%d tokens, limit %d", cache.offset, _LIMIT)
+
+
+def test_imports_and_values_are_written_as_source(sdist, tmp_path):
+    patch = Patch(
+        "logs",
+        "x",
+        [
+            Target(CACHE, "_LIMIT", _LIMIT, None),
+            Target(CACHE, "_log_size", _log_size, None),
+            Target(CACHE, "logging", logging, None),
+        ],
+    )
+    series = generate([patch], sdist, tmp_path)
+    assert series.warnings == []
+    text = series.final["mlx_lm/models/cache.py"]
+    assert text.startswith(
+        "# Copyright © 2023 Apple Inc.\n\nimport copy\nimport logging\nfrom collections"
+    )
+    limit = text.index("_LIMIT = 1 << 20  # written as source, not as 1048576\n")
+    assert limit < text.index("def _log_size(cache):")
+
+
+class NewCache:
+    def size(self):
+        return 0
+
+
+class _NewCacheSize:
+    def size(self):
+        return 1
+
+
+def test_patch_on_a_class_an_earlier_patch_adds(sdist, tmp_path):
+    first = Patch("adds", "x", [Target(CACHE, "NewCache", NewCache, None)])
+    fp = _registry.fingerprint(NewCache.size)
+    owner = f"{CACHE}:NewCache"
+    second = Patch("on_it", "y", class_patch(owner, _NewCacheSize, {"size": fp}))
+    checks = check_targets([first, second], sdist)
+    assert [(c.status, c.where) for c in checks] == [
+        ("new", f"{CACHE}.NewCache"),
+        ("match", f"{CACHE}.NewCache.size (class added by an earlier patch)"),
+    ]
+    series = generate([first, second], sdist, tmp_path)
+    text = series.final["mlx_lm/models/cache.py"]
+    assert text.endswith("class NewCache:\n    def size(self):\n        return 1\n")
+
+
+def test_regeneration_is_deterministic_and_keeps_last_update(sdist, tmp_path):
+    patches = [_throwaway()]
+    patch_dir = tmp_path / "patches"
+    write_patches(generate(patches, sdist, patch_dir), patch_dir)
+    path = patch_dir / "01-throwaway.patch"
+    text = path.read_text().replace(
+        f"Last-Update: {today()}", "Last-Update: 2000-01-01"
+    )
+    path.write_text(text)
+    again = generate(patches, sdist, patch_dir)
+    assert again.files["01-throwaway.patch"] == text
+    assert write_patches(again, patch_dir) == []
+
+
+def test_patch_removing_a_method_upstream_lacks_is_an_error(sdist):
+    bogus = Patch("bogus", "x", [Target(f"{CACHE}:KVCache", "no_such", REMOVED, "0")])
+    with pytest.raises(GenerateError, match="no_such"):
+        generate([bogus], sdist, Path("/nonexistent"))
+
+
+def test_undefined_helper_is_reported(sdist):
+    def size(self):
+        return _kv_size_times_one(self)
+
+    size.__qualname__ = "KVCache.size"
+    patch = Patch(
+        "lonely", "x", [Target(f"{CACHE}:KVCache", "size", size, _fp("size"))]
+    )
+    series = generate([patch], sdist, Path("/nonexistent"))
+    assert any("_kv_size_times_one" in w for w in series.warnings)
+
+
+def test_patch_whose_source_does_not_import_is_named(sdist, tmp_path, monkeypatch):
+    """A method annotated with a class defined later in cache.py imports
+    under the monkeypatch but not as upstream source."""
+
+    def empty(self):
+        return self.keys is None
+
+    source = "    def empty(self) -> BatchKVCache:\n        return self.keys is None\n"
+    real = rewrite.replacement_lines
+    monkeypatch.setattr(
+        rewrite,
+        "replacement_lines",
+        lambda new, attr, indent, *rest: (
+            source.splitlines(True) if new is empty else real(new, attr, indent, *rest)
+        ),
+    )
+    owner = f"{CACHE}:KVCache"
+    patch = Patch("late", "x", [Target(owner, "empty", empty, _fp("empty"))])
+    patch_dir = tmp_path / "patches"
+    write_patches(generate([patch], sdist, patch_dir), patch_dir)
+    problems = check_patches(patch_dir, [patch])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("after 01-late.patch, ")
+    assert "NameError: name 'BatchKVCache' is not defined" in problems[0]
+
+
+def test_reindent_leaves_multiline_strings_alone():
+    src = [
+        "    def f(self):\n",
+        '        """Doc\n',
+        "text at column zero\n",
+        '        """\n',
+        "\n",
+        "        return 1\n",
+    ]
+    out = reindent(src, "    ", "        ")
+    assert out[2] == "text at column zero\n"
+    assert out[0] == "        def f(self):\n" and out[5] == "            return 1\n"
+
+
+# -- Patch.uses: the names pasted code takes from upstream ------------------------
+
+
+def _reads_upstream(self):
+    return isinstance(self, (KVCache, _BaseCache)) and _kv_size_times_one(self) >= 0
+
+
+_reads_upstream.__qualname__ = "KVCache.is_trimmable"
+
+
+def _reading(name: str, *uses: str) -> Patch:
+    """A patch whose code reads KVCache, _BaseCache and the throwaway
+    patch's helper, declaring ``uses``."""
+    fp = _fp("is_trimmable")
+    target = Target(f"{CACHE}:KVCache", "is_trimmable", _reads_upstream, fp)
+    return Patch(name, "x", [target], uses={CACHE: uses} if uses else {})
+
+
+def test_uses_must_declare_each_name_taken_from_upstream(sdist):
+    first = _throwaway()  # adds _kv_size_times_one
+    assert check_uses([first, _reading("ok", "KVCache", "_BaseCache")], sdist) == []
+    assert check_uses([first, _reading("bare")], sdist) == [
+        "patch 'bare' takes ['KVCache', '_BaseCache'] from mlx_lm.models.cache: "
+        "declare them in its uses['mlx_lm.models.cache']"
+    ]
+
+
+def test_uses_names_upstream_lacks_and_names_no_patch_added_yet(sdist):
+    declared = ("KVCache", "_BaseCache", "RenamedCache", "RotatingKVCache")
+    # The helper is added by a later patch: too late.
+    problems = check_uses([_reading("wrong", *declared), _throwaway()], sdist)
+    assert problems == [
+        "patch 'wrong' reads ['_kv_size_times_one'], which neither "
+        "mlx_lm.models.cache defines nor a patch up to this one adds",
+        "patch 'wrong' declares uses ['RenamedCache'] of mlx_lm.models.cache, "
+        "which the pinned upstream file does not define",
+        "patch 'wrong' declares uses ['RenamedCache', 'RotatingKVCache'] of "
+        "mlx_lm.models.cache, which its code does not read",
+    ]
+
+
+# -- a patch's upstream-style tests, written into upstream's test files -----------
+
+
+class TestPromptCache:
+    def test_throwaway_size_is_offset(self):
+        cache = KVCache()
+        self.assertEqual(cache.size(), 0)
+
+
+class TestThrowaway(unittest.TestCase):
+    def test_describe(self):
+        self.assertIn("offset=0", KVCache().describe())
+
+
+# Source for upstream's test file, not tests of this one.
+TestPromptCache.__test__ = TestThrowaway.__test__ = False
+
+
+def _with_tests(monkeypatch, patch: Patch, **tests) -> Patch:
+    real = testedits.tests_of
+    fake = types.SimpleNamespace(**tests)
+    monkeypatch.setattr(
+        testedits, "tests_of", lambda p: fake if p is patch else real(p)
+    )
+    return patch
+
+
+def test_tests_go_into_upstreams_test_files(sdist, tmp_path, monkeypatch):
+    rel = "tests/test_prompt_cache.py"
+    old = "        self.assertEqual(cache.keys.shape, (1, 1, 3, 8))\n"
+    new = "        self.assertEqual(cache.keys.shape, (1, 1, 4, 8))\n"
+    patch = _with_tests(
+        monkeypatch,
+        _throwaway(),
+        ADD={rel: [TestPromptCache, TestThrowaway]},
+        EDIT={rel: [(old, new)]},
+    )
+    assert testedits.added_tests(patch) == [
+        "test_prompt_cache.py::TestPromptCache::test_throwaway_size_is_offset",
+        "test_prompt_cache.py::TestThrowaway::test_describe",
+    ]
+    series = generate([patch], sdist, tmp_path)
+    assert series.warnings == []
+    text = series.final[rel]
+    upstream_text = (sdist / rel).read_text()
+    assert text.count(new) == 1 and upstream_text.count(old) == 1
+    # Appended to upstream's class, at its end; a new class before __main__.
+    cls = text.index("\nclass TestPromptCache(")
+    method = text.index("    def test_throwaway_size_is_offset(self):\n")
+    assert cls < method < text.index("\nclass ", cls + 1)
+    new_class = "\n\n\nclass TestThrowaway(unittest.TestCase):\n    def test_describe("
+    assert new_class in text
+    assert text.index("class TestThrowaway") < text.index('if __name__ == "__main__":')
+    diff = series.files["01-throwaway.patch"]
+    assert diff.index("+++ b/mlx_lm/models/cache.py") < diff.index(f"+++ b/{rel}")
+
+
+def test_test_edit_that_does_not_match_once_is_an_error(sdist, monkeypatch):
+    rel = "tests/test_prompt_cache.py"
+    patch = _with_tests(monkeypatch, _throwaway(), EDIT={rel: [("self.", "me.")]})
+    with pytest.raises(GenerateError, match="found [0-9]+ times, not once"):
+        generate([patch], sdist, Path("/nonexistent"))
+
+
+@pytest.mark.slow
+def test_added_test_passing_without_its_patch_is_flagged(sdist, tmp_path, monkeypatch):
+    """check-patches runs each patch's tests on the source before it (one
+    that passes there does not test the patch) and up to it (they pass)."""
+    rel = "tests/test_prompt_cache.py"
+    patches = [
+        _with_tests(
+            monkeypatch, _throwaway(), ADD={rel: [TestPromptCache, TestThrowaway]}
+        )
+    ]
+    series = generate(patches, sdist, tmp_path / "patches")
+    build_hub_standins(tmp_path)
+    assert added_tests_alone(series, patches, tmp_path) == [
+        "test_prompt_cache.py::TestPromptCache::test_throwaway_size_is_offset "
+        "(01-throwaway.patch) passed without the patch: it does not test it"
+    ]
+
+
+def test_bug_lines_cite_issues_not_pull_requests():
+    doc = (
+        "Upstream fails (ml-explore/mlx-lm#118, #126; PRs #941,\n #1322 and #1343\n"
+        "closed unmerged; see https://github.com/ml-explore/mlx-lm/pull/7 and\n"
+        "https://github.com/ml-explore/mlx-lm/issues/8, PR #9), #118 again."
+    )
+    assert bug_links(doc) == [
+        "https://github.com/ml-explore/mlx-lm/issues/118",
+        "https://github.com/ml-explore/mlx-lm/issues/126",
+        "https://github.com/ml-explore/mlx-lm/issues/8",
+    ]

@@ -1,0 +1,361 @@
+"""Writing a patch into upstream's source: each ``Target`` of a ``Patch``
+rewritten in the text of the file its owner lives in.
+
+A replaced attribute's definition (decorators, property getter and setter
+included) gives way to the replacement's source; a new method goes next to
+its neighbours in the patch's namespace class; a new module-level object
+goes before the first definition that uses it (a module target is an
+``import`` among the first block of imports; any other value is its
+assignment in the patch's file); a removed one goes.
+"""
+
+import ast
+import inspect
+import io
+import re
+import sys
+import tokenize
+import types
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from mlx_lm_patched._registry import REMOVED, Patch, Target
+
+from .sdist import module_file
+from .source import (
+    NotFound,
+    assigns,
+    find_class,
+    find_definitions,
+    lines_of,
+    parse,
+    span,
+    start_of,
+)
+
+
+class GenerateError(RuntimeError):
+    """A patch cannot be written as a diff of upstream's source."""
+
+
+# -- replacement source from the live objects ---------------------------------
+
+
+def functions_of(new) -> List:
+    """The functions (or class) whose source makes up ``new``."""
+    if isinstance(new, property):
+        return [f for f in (new.fget, new.fset, new.fdel) if f is not None]
+    if isinstance(new, (staticmethod, classmethod)):
+        return [new.__func__]
+    if inspect.isfunction(new) or inspect.isclass(new):
+        return [new]
+    return []
+
+
+def _assignment_lines(attr: str, cls: Optional[str], origin) -> Optional[List[str]]:
+    """The statement assigning ``attr`` at the top of the file ``origin`` (in
+    its class named like ``cls``, for a class attribute), if there is one."""
+    if not origin or not Path(origin).exists():
+        return None
+    text = Path(origin).read_text()
+    body = parse(text).body
+    if cls is not None:
+        node = find_class(text, cls.split(".")[-1])
+        body = node.body if node is not None else []
+    lines = lines_of(text)
+    for stmt in body:
+        if assigns(stmt, attr):
+            start, end = span(lines, stmt)
+            return lines[start:end]
+    return None
+
+
+def replacement_lines(
+    new, attr: str, indent: str, origin=None, cls: Optional[str] = None
+) -> List[str]:
+    """The source of ``new`` re-indented to ``indent``, as written in its
+    module (a property's getter, setter and the blank lines between). A
+    module is an ``import``; any other value is its assignment in ``origin``
+    (the patch's file), else its ``repr`` if that reads back equal."""
+    if isinstance(new, types.ModuleType):
+        line = f"import {new.__name__}"
+        return [indent + line + ("\n" if attr == new.__name__ else f" as {attr}\n")]
+    funcs = functions_of(new)
+    if not funcs:
+        found = _assignment_lines(attr, cls, origin)
+        if found:
+            return reindent(found, re.match(r"[ \t]*", found[0]).group(0), indent)
+        text = f"{attr} = {new!r}\n"
+        try:
+            same = ast.literal_eval(repr(new)) == new
+        except (ValueError, SyntaxError):
+            same = False
+        if not same:
+            raise GenerateError(f"{attr}: cannot write {type(new).__name__} as source")
+        return [indent + text]
+    blocks = sorted(source_block(f) for f in funcs)
+    out: List[str] = []
+    for i, (s, e, file_lines) in enumerate(blocks):
+        if i:
+            gap = file_lines[blocks[i - 1][1] : s]
+            out += gap if gap and all(not g.strip() for g in gap) else ["\n"]
+        out += file_lines[s:e]
+    return reindent(out, re.match(r"[ \t]*", out[0]).group(0), indent)
+
+
+def source_file(obj) -> Optional[str]:
+    """The file ``obj`` was written in. A class's own functions say it even
+    when its ``__module__`` names another module (a class meant to look
+    native to ``mlx_lm.models.cache``), where ``inspect`` would look."""
+    if inspect.isclass(obj):
+        for value in vars(obj).values():
+            for f in functions_of(value):
+                if inspect.isfunction(f):
+                    return f.__code__.co_filename
+    try:
+        return inspect.getsourcefile(obj)
+    except TypeError:
+        return None
+
+
+def source_block(obj) -> Tuple[int, int, List[str]]:
+    """``(start, end, lines)``: ``obj``'s lines ``[start, end)`` of its file."""
+    if inspect.isclass(obj):
+        file = source_file(obj)
+        text = Path(file).read_text() if file else ""
+        node = find_class(text, obj.__qualname__) if text else None
+        if node is None:
+            raise GenerateError(f"no source for class {obj.__qualname__}")
+        lines = lines_of(text)
+        return (*span(lines, node), lines)
+    block, lnum = inspect.getsourcelines(obj)
+    return lnum - 1, lnum - 1 + len(block), inspect.findsource(obj)[0]
+
+
+def _string_rows(lines: List[str]) -> set:
+    """1-based rows that start inside a multi-line string (left untouched)."""
+    rows = set()
+    toks = tokenize.generate_tokens(io.StringIO("".join(lines)).readline)
+    for tok in toks:
+        if tok.start[0] < tok.end[0] and tok.type not in (
+            tokenize.NL,
+            tokenize.NEWLINE,
+        ):
+            rows.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    return rows
+
+
+def reindent(lines: List[str], old: str, new: str) -> List[str]:
+    """``lines`` indented by ``new`` instead of ``old`` (multi-line strings
+    left as they are)."""
+    if old == new:
+        return list(lines)
+    inside = _string_rows(lines)
+    out = []
+    for row, line in enumerate(lines, 1):
+        if row in inside or not line.strip():
+            out.append(line if row in inside else "\n")
+        elif line.startswith(old):
+            out.append(new + line[len(old) :])
+        else:
+            out.append(line)
+    return out
+
+
+# -- rewriting upstream's source, one patch at a time -------------------------
+
+
+def split_owner(owner: str) -> Tuple[str, Optional[str]]:
+    module, _, cls = owner.partition(":")
+    return module, (cls or None)
+
+
+def body_indent(text: str, cls: str) -> str:
+    return " " * find_class(text, cls).body[0].col_offset
+
+
+def attached_comments(lines: List[str], start: int) -> int:
+    """Move ``start`` up over comment lines directly above it."""
+    indent = re.match(r"[ \t]*", lines[start]).group(0)
+    while start > 0 and lines[start - 1].startswith(indent + "#"):
+        start -= 1
+    return start
+
+
+def is_removal(t: Target) -> bool:
+    return t.new is REMOVED
+
+
+def _remove(lines: List[str], defs, cls: Optional[str]) -> None:
+    gap = 1 if cls else 2  # blank lines between definitions
+    for d in sorted(defs, key=lambda d: -d.start):
+        start, end = attached_comments(lines, d.start), d.end
+        for _ in range(gap):
+            if end < len(lines) and not lines[end].strip():
+                end += 1
+            elif start > 0 and not lines[start - 1].strip():
+                start -= 1
+        del lines[start:end]
+
+
+def _rewrite_target(text: str, t: Target, siblings: List[Target], origin=None) -> str:
+    """``text`` with target ``t`` replaced, inserted or removed."""
+    _, cls = split_owner(t.owner)
+    lines = lines_of(text)
+    defs = find_definitions(text, cls, t.attr)
+    if is_removal(t):
+        if not defs:
+            raise GenerateError(
+                f"{t.owner}.{t.attr}: to be removed, but not defined upstream"
+            )
+        _remove(lines, defs, cls)
+        return "".join(lines)
+    indent = body_indent(text, cls) if cls else ""
+    new = replacement_lines(t.new, t.attr, indent, origin, cls)
+    if defs:
+        first = min(d.start for d in defs)
+        for d in sorted(defs, key=lambda d: -d.start):
+            end = d.end
+            if d.start != first and end < len(lines) and not lines[end].strip():
+                end += 1
+            lines[d.start : end] = new if d.start == first else []
+        return "".join(lines)
+    if cls is None:
+        return text  # new module-level objects are placed by _place_module_level
+    # A new attribute goes where the namespace class has it: after the nearest
+    # earlier sibling that the class defines, else before the nearest later one.
+    i = next(k for k, s in enumerate(siblings) if s is t)
+    for s in reversed(siblings[:i]):
+        found = find_definitions(text, cls, s.attr)
+        if found:
+            at = max(d.end for d in found)
+            lines[at:at] = ["\n"] + new
+            return "".join(lines)
+    for s in siblings[i + 1 :]:
+        found = find_definitions(text, cls, s.attr)
+        if found:
+            at = attached_comments(lines, min(d.start for d in found))
+            lines[at:at] = new + ["\n"]
+            return "".join(lines)
+    at = span(lines, find_class(text, cls).body[-1])[1]
+    lines[at:at] = ["\n"] + new
+    return "".join(lines)
+
+
+_IMPORTS = (ast.Import, ast.ImportFrom)
+
+
+def _import_line(text: str, name: str) -> int:
+    """Where ``import name`` goes, isort-style: among the plain imports of the
+    first block of imports (stdlib, in upstream's files), in name order."""
+    body = parse(text).body
+    first_def = next(
+        (i for i, n in enumerate(body) if not isinstance(n, _IMPORTS + (ast.Expr,))),
+        len(body),
+    )
+    group: List[ast.stmt] = []
+    for node in body[:first_def]:
+        if not isinstance(node, _IMPORTS):
+            continue
+        if group and node.lineno > group[-1].end_lineno + 1:
+            break  # a blank line ends the first block
+        group.append(node)
+    if not group:
+        return 0
+    for node in group:
+        if isinstance(node, ast.ImportFrom) or node.names[0].name > name:
+            return node.lineno - 1
+    return group[-1].end_lineno
+
+
+def _imports(text: str, name: str) -> bool:
+    """Whether the module binds ``name`` with an import statement."""
+    return any(
+        (alias.asname or alias.name.split(".")[0]) == name
+        for node in parse(text).body
+        if isinstance(node, _IMPORTS)
+        for alias in node.names
+    )
+
+
+def _reads(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _place_module_level(text: str, t: Target, origin=None) -> str:
+    """Insert a new module-level object before the first statement using it
+    (an import after the imports at the top)."""
+    if find_definitions(text, None, t.attr) or _imports(text, t.attr):
+        return text
+    lines = lines_of(text)
+    new = replacement_lines(t.new, t.attr, "", origin)
+    if isinstance(t.new, types.ModuleType):
+        at = _import_line(text, t.new.__name__)
+        lines[at:at] = new
+        return "".join(lines)
+    for node in parse(text).body:
+        if not isinstance(node, _IMPORTS) and _reads(node, t.attr):
+            at = attached_comments(lines, start_of(node))
+            lines[at:at] = new + ["\n", "\n"]
+            return "".join(lines)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return "".join(lines + ["\n", "\n"] + new)
+
+
+def patch_module(patch: Patch):
+    """The module that defines ``patch`` (``PATCH``), or else the one its
+    functions were written in (``_registry.pasted_into`` gives a function its
+    owner's module; its code still says which file it was written in)."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "PATCH", None) is patch:
+            return mod
+    files = {source_file(f) for t in patch.targets for f in functions_of(t.new)}
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__file__", None) in files:
+            return mod
+    return None
+
+
+def read_file(files: Dict[str, str], rel: str, tree: Path, who: str) -> str:
+    """``files[rel]``, read from ``tree`` the first time."""
+    if rel not in files:
+        path = tree / rel
+        if not path.exists():
+            raise GenerateError(f"{who}: {rel} is not in the sdist")
+        files[rel] = path.read_text()
+    return files[rel]
+
+
+def check_compiles(files: Dict[str, str], who: str) -> None:
+    for rel, text in files.items():
+        try:
+            compile(text, rel, "exec")
+        except SyntaxError as e:
+            raise GenerateError(f"{who}: {rel} no longer parses: {e}") from None
+
+
+def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[str, str]:
+    """The files a patch's targets touch, rewritten; ``files`` holds earlier
+    patches' output (anything missing is read from ``tree``)."""
+    out = dict(files)
+    origin = getattr(patch_module(patch), "__file__", None)
+    who = f"patch {patch.name!r}"
+    for t in patch.targets:
+        rel = module_file(split_owner(t.owner)[0], tree)
+        read_file(out, rel, tree, who)
+        siblings = [
+            s for s in patch.targets if s.owner == t.owner and not is_removal(s)
+        ]
+        try:
+            out[rel] = _rewrite_target(out[rel], t, siblings, origin)
+        except (GenerateError, NotFound) as e:
+            raise GenerateError(f"{who}: {e}") from None
+    # Last first, so an object an earlier one is used by is already in place.
+    for t in reversed(patch.targets):
+        module, cls = split_owner(t.owner)
+        if cls is None and not is_removal(t):
+            rel = module_file(module, tree)
+            out[rel] = _place_module_level(out[rel], t, origin)
+    check_compiles(out, who)
+    return out

@@ -221,3 +221,17 @@ class Rows:
         other = Rows(self.max_size, [n], self.keep, self.window)
         self.cache.extend(other.cache)
         self.history += other.history
+
+
+def python(*args, env=None):
+    """``python *args`` in a subprocess with ``env`` added; asserts exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **(env or {})}
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return done

@@ -6,14 +6,11 @@ A row the current code fails is written as it should pass and marked
 """
 
 import re
-import subprocess
-import sys
 
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
 import numpy as np
 import pytest
-from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
@@ -596,51 +593,3 @@ def test_upstream_quantized_file_loads_with_its_tokens_and_dtype(tmp_path):
 
 # KV quantization mx.quantize cannot do: refused before the first token,
 # not when the cache reaches quantized_kv_start
-
-
-KV_ARGS = {
-    "bits 16": (
-        {"kv_bits": 16},
-        r"kv_bits \(--kv-bits\) must be 2, 3, 4, 5, 6 or 8, got 16",
-    ),
-    "group size 48": (
-        {"kv_bits": 8, "kv_group_size": 48},
-        r"kv_group_size \(--kv-group-size\) must be 32, 64 or 128, got 48",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", KV_ARGS)
-def test_generate_step_refuses_unsupported_kv_quantization_before_any_token(
-    case, load_tiny
-):
-    model, tokenizer = load_tiny("llama")
-    kwargs, message = KV_ARGS[case]
-    prompt = mx.array(tokenizer.encode("the cache forgets nothing"))
-    steps = generate_step(prompt, model, max_tokens=20, **kwargs)  # start: 5000
-    with pytest.raises(ValueError, match=message):
-        next(steps)
-
-
-@pytest.mark.parametrize("case", KV_ARGS)
-def test_batch_generate_refuses_unsupported_kv_quantization(case, load_tiny):
-    model, tokenizer = load_tiny("llama")
-    kwargs, message = KV_ARGS[case]
-    prompts = [tokenizer.encode("the cache"), tokenizer.encode("forgets nothing")]
-    with pytest.raises(ValueError, match=message):
-        batch_generate(model, tokenizer, prompts, max_tokens=20, **kwargs)
-
-
-@pytest.mark.parametrize("front", ["generate", "server"])
-def test_fronts_refuse_kv_bits_16_before_generating_or_serving(front, tiny_model_dir):
-    args = ["--model", str(tiny_model_dir), "--kv-bits", "16"]
-    args += ["--prompt", "hello"] if front == "generate" else ["--port", "0"]
-    done = subprocess.run(
-        [sys.executable, "-m", f"mlx_lm_patched.{front}", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode != 0
-    assert "kv_bits (--kv-bits) must be 2, 3, 4, 5, 6 or 8, got 16" in done.stderr
-    assert done.stdout.strip() in ("", "==========")

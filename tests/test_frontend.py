@@ -2,12 +2,11 @@
 
 import importlib
 import json
-import os
-import subprocess
 import sys
 
 import mlx_lm
 import pytest
+from ringref import python
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -35,15 +34,6 @@ print(json.dumps({
     for p in mlx_lm_patched.PATCHES
 }))
 """
-
-
-def python(*args, env=None):
-    env = {**os.environ, **(env or {})}
-    done = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    return done
 
 
 def generated_text(stdout):
@@ -91,46 +81,6 @@ def test_generate_front_writes_the_same_text_as_upstream(tiny_model_dir):
     ours = python("-m", "mlx_lm_patched.generate", *args).stdout
     theirs = python("-m", "mlx_lm.generate", *args).stdout
     assert generated_text(ours) == generated_text(theirs)
-
-
-@pytest.mark.parametrize("head_dim", [96, 16])
-def test_generate_continues_a_quantized_file_cache_prompt_wrote_with_the_same_flags(
-    head_dim, make_tiny_dir, tmp_path
-):
-    """64 divides neither head dim: the cache quantizes with group size 32
-    (96) or zero-pads to 32 (16), and saves the group size it uses. The
-    default --kv-group-size 64 still asks for that group size."""
-    from mlx_lm.models.cache import load_prompt_cache
-
-    model, path = str(make_tiny_dir("llama", head_dim=head_dim)), str(
-        tmp_path / "f.safetensors"
-    )
-    args = ["--prompt-cache-file", path, "--kv-bits", "8"]
-    python("-m", "mlx_lm_patched.cache_prompt", "--model", model, "--prompt", PROMPT,
-           "--quantized-kv-start", "0", *args)  # fmt: skip
-    assert load_prompt_cache(path)[0].group_size == 32
-    more = ["--prompt", " more", "--max-tokens", "5"]
-    out = python("-m", "mlx_lm_patched.generate", *args, *more).stdout
-    assert "Generation: 5 tokens" in out
-
-
-def test_generate_still_refuses_a_group_size_the_file_was_not_quantized_with(
-    make_tiny_dir, tmp_path
-):
-    model, path = str(make_tiny_dir("llama", head_dim=64)), str(
-        tmp_path / "f.safetensors"
-    )
-    args = ["--prompt-cache-file", path, "--kv-bits", "8"]
-    python("-m", "mlx_lm_patched.cache_prompt", "--model", model, "--prompt", PROMPT,
-           "--quantized-kv-start", "0", *args)  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_patched.generate", *args, "--prompt", " more"]
-        + ["--kv-group-size", "32"],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0
-    assert "--kv-group-size does not match" in done.stderr
 
 
 def help_text(main, capsys, monkeypatch):

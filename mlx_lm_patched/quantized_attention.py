@@ -1,13 +1,25 @@
-"""Attention over a quantized cache in query blocks, any head dim.
+"""Attention over a quantized cache: in chained query blocks, any head dim,
+and on CUDA through fused attention.
 
 Upstream's ``quantized_scaled_dot_product_attention`` materialises the
 scores of every query at once, so a long prefill chunk's scores outgrow the
 quantized cache itself (ml-explore/mlx-lm#1587: prefill peaks 40-50% above
-the unquantized cache's). Here queries go through in blocks of at most
-``block_bytes`` of scores, each evaluated before the next, with the same
-result bit for bit. Head dims that no group size divides are zero-padded by
-``QuantizedKVCache`` (keys and values alike); the queries are padded to
+the unquantized cache's). Here queries go through in blocks of about
+``block_bytes`` of scores, with the same result bit for bit; each block
+depends on the previous one's output (``mx.depends``), so MLX does not
+compute every block's scores first, and nothing is evaluated in the forward
+pass (see ``bounded_attention``: about six blocks alive, so a block is an
+eighth of the budget). Head dims that no group size divides are zero-padded
+by ``QuantizedKVCache`` (keys and values alike); the queries are padded to
 match and the padding dropped from the output.
+
+On MLX's CUDA backend ``mx.quantized_matmul`` has no kernel for a cache's
+keys and values (slices of a larger buffer: ``[quantized_matmul] No
+implementation for problem shape: 1x300x128x8, transpose: true``), so
+``--kv-bits`` failed in the first prefill chunk. There the layer's keys and
+values are dequantized into the query dtype (one layer's worth alive at a
+time, a fraction of an unquantized cache) and go through fused attention
+(``scaled_dot_product_attention``, no scores materialised).
 """
 
 from typing import Optional
@@ -28,17 +40,26 @@ def quantized_scaled_dot_product_attention(
     bits: int = 8,
     block_bytes: int = 1 << 26,
 ) -> mx.array:
-    """Attention over a quantized cache, at most ``block_bytes`` of scores at a
+    """Attention over a quantized cache, about ``block_bytes`` of scores at a
     time: a long prefill chunk's scores outgrow the cache otherwise (#1587)."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
 
-    queries *= scale
-
     # A QuantizedKVCache zero-pads head dims no group size divides (keys and
     # values alike): pad the queries to match, drop the padding from the output.
     width = q_keys[0].shape[-1] * 32 // bits
+
+    if sdpa_backend() == "cuda":
+        keys, values = (
+            mx.dequantize(*x, group_size=group_size, bits=bits, dtype=queries.dtype)
+            for x in (q_keys, q_values)
+        )
+        if width > D:
+            keys, values = keys[..., :D], values[..., :D]
+        return scaled_dot_product_attention(queries, keys, values, None, scale, mask)
+
+    queries *= scale
     if width > D:
         queries = mx.pad(queries, [(0, 0), (0, 0), (0, 0), (0, width - D)])
 
@@ -55,15 +76,25 @@ def quantized_scaled_dot_product_attention(
     if mask is not None and n_repeats > 1 and mask.ndim > 3:
         mask = mx.expand_dims(mask, -3)
 
-    rows = max(1, block_bytes // (B * n_q_heads * kL * queries.dtype.size))
+    per_query = B * n_q_heads * kL * queries.dtype.size
+    rows = L if L * per_query <= block_bytes else max(1, block_bytes // (8 * per_query))
+    if rows < L and n_repeats > 1:
+        # quantized_matmul copies broadcast keys and values in every call:
+        # copy them once, not once per block.
+        shape = (B, n_kv_heads, n_repeats)
+        q_keys, q_values = (
+            tree_map(
+                lambda x: mx.contiguous(mx.broadcast_to(x, shape + x.shape[-2:])), t
+            )
+            for t in (q_keys, q_values)
+        )
     out = []
     for i in range(0, L, rows):
+        q = queries[..., i : i + rows, :]
+        if out:  # one block after the other: few blocks' scores alive at once
+            q = mx.depends(q, out[-1])
         scores = mx.quantized_matmul(
-            queries[..., i : i + rows, :],
-            *q_keys,
-            transpose=True,
-            group_size=group_size,
-            bits=bits,
+            q, *q_keys, transpose=True, group_size=group_size, bits=bits
         )
         if mask is not None:
             rowwise = mask.ndim > 1 and mask.shape[-2] > 1
@@ -78,8 +109,6 @@ def quantized_scaled_dot_product_attention(
                 scores, *q_values, transpose=False, group_size=group_size, bits=bits
             )
         )
-        if rows < L:
-            mx.eval(out[-1])  # lazily, every block's scores would be alive at once
     out = out[0] if len(out) == 1 else mx.concatenate(out, axis=-2)
 
     if n_repeats > 1:
@@ -97,8 +126,8 @@ quantized_scaled_dot_product_attention = pasted_into(
 
 PATCH = Patch(
     "quantized_attention",
-    "quantized_scaled_dot_product_attention: query blocks of bounded scores, "
-    "zero-padded head dims",
+    "quantized_scaled_dot_product_attention: chained query blocks of bounded "
+    "scores, zero-padded head dims, fused attention over dequantized keys on CUDA",
     [
         Target(
             "mlx_lm.models.base",
@@ -107,9 +136,11 @@ PATCH = Patch(
             "f42bc5d03992",
         ),
     ],
+    requires=("bounded_attention",),
     uses={
         "mlx_lm.models.base": (
             "mx",
+            "scaled_dot_product_attention",
             "tree_map",
         )
     },

@@ -14,6 +14,16 @@ from mlx_lm_patched import tiny
 pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory")
 
 
+@pytest.fixture
+def cpu_device():
+    """MLX's CPU as the default device: the road through attention the test
+    pins (chained query blocks), also on a machine with a GPU."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 @pytest.mark.parametrize("n_q_heads, mask", [(4, "causal"), (8, "array"), (2, None)])
 def test_attention_in_query_blocks_is_bit_identical_to_upstream(n_q_heads, mask):
     rng = np.random.default_rng(n_q_heads)
@@ -137,6 +147,7 @@ def test_kv_bits_generates_upstream_s_tokens_without_quantized_matmul(
     assert run() == want
 
 
+@pytest.mark.usefixtures("cpu_device")
 def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):
     """``mx.eval`` would raise inside ``mx.compile``; none is called either."""
     rng = np.random.default_rng(0)
@@ -156,6 +167,7 @@ def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):
     assert same(mx.compile(f)(queries, keys, values, mask), lazy)
 
 
+@pytest.mark.usefixtures("cpu_device")
 def test_blocked_quantized_attention_holds_about_its_budget():
     rng = np.random.default_rng(0)
     queries = mx.array(rng.standard_normal((1, 8, 512, 64), dtype=np.float32))

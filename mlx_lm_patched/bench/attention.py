@@ -108,12 +108,14 @@ def one_shape(args, D, dtype):
             "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
         )
         qpa = quantized_attention.quantized_scaled_dot_product_attention
-        roads[f"quantized{bits}_upstream"] = functools.partial(
-            lambda f, qk, qv: f(q * 1, qk, qv, scale, mask, 64, bits), qup, qk, qv
-        )
-        roads[f"quantized{bits}_patched"] = functools.partial(
-            lambda f, qk, qv: f(q * 1, qk, qv, scale, mask, 64, bits), qpa, qk, qv
-        )
+        for side, f in (("upstream", qup), ("patched", qpa)):
+            roads[f"quantized{bits}_{side}"] = functools.partial(
+                lambda f, qk, qv, bits: f(q * 1, qk, qv, scale, mask, 64, bits),
+                f,
+                qk,
+                qv,
+                bits,
+            )
     result = {"path": base.attention_path(q, k, v, mask)}
     outs = {}
     for name, fn in roads.items():

@@ -46,6 +46,8 @@ import mlx_lm_patched
 
 from . import emit, header, parse_args
 
+START = time.perf_counter()
+
 SMALL = {
     "layers": 4,
     "hidden": 512,
@@ -251,7 +253,11 @@ def measure(sides, rounds, log):
             if name in errors:
                 continue
             switch, run = sides[name]
-            print(f"[e2e] {log} {name} round {r}", file=sys.stderr, flush=True)
+            print(
+                f"[e2e] {time.perf_counter() - START:7.1f} s {log} {name} round {r}",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 with switch():
                     out = run()

@@ -17,11 +17,15 @@ match and the padding dropped from the output.
 
 On MLX's CUDA backend ``mx.quantized_matmul`` has no kernel for a cache's
 keys and values (slices of a larger buffer: ``[quantized_matmul] No
-implementation for problem shape: 1x300x128x8, transpose: true``), so
-``--kv-bits`` failed in the first prefill chunk. There the layer's keys and
-values are dequantized into the query dtype (one layer's worth alive at a
-time, a fraction of an unquantized cache) and go through fused attention
-(``scaled_dot_product_attention``, no scores materialised).
+implementation for problem shape: 1663x15999x128x32, transpose: true``),
+so ``--kv-bits`` failed in the first prefill chunk. There the layer's keys
+and values are dequantized into the query dtype (one layer's worth, a
+fraction of an unquantized cache) and go through fused attention
+(``scaled_dot_product_attention``, no scores materialised): on an H100, one
+2048-query x 6143-key call (32 heads, head dim 128) over 8-bit keys took
+1.8 ms and 80 MiB, against 7.5 ms and 800 MiB for upstream's road where its
+kernel exists (contiguous keys). A Llama-8B-shape prefill of 16,000 tokens
+peaked at 0.85x (4-bit) and 0.95x (8-bit) of the bfloat16 ``KVCache``'s.
 """
 
 from typing import Optional
@@ -83,6 +87,8 @@ def quantized_scaled_dot_product_attention(
     on_cpu = sdpa_backend() == "cpu"
     per_query = B * n_q_heads * kL * queries.dtype.size
     rows = max(1, block_bytes // ((8 if on_cpu else 1) * per_query))
+    if not on_cpu:
+        rows = 1 << (rows.bit_length() - 1)
     rows = L if L * per_query <= block_bytes else rows
     if rows < L and n_repeats > 1:
         # quantized_matmul copies broadcast keys and values in every call:

@@ -15,13 +15,13 @@ import mlx_lm_patched
 from mlx_lm_patched import tiny
 from mlx_lm_patched.bounded_attention import scaled_dot_product_attention
 
-pytestmark = pytest.mark.usefixtures("patched")
+pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
 
 
 @pytest.fixture
 def cpu_device():
-    """MLX's CPU as the default device: the road through attention the test
-    pins (chained query blocks), also on a machine with a GPU."""
+    """MLX's CPU as the default device, also on a machine with a GPU: tests
+    fake the backend to pin each road, and compute on CPU."""
     device = mx.default_device()
     mx.set_default_device(mx.cpu)
     yield
@@ -157,23 +157,31 @@ def test_metal_gets_one_fused_call_with_the_mask_as_it_is(backend, fused_calls):
 
 
 @pytest.mark.parametrize(
-    "name, D, blocks, evals",
-    [("cpu", 32, 16, 0), ("cuda", 256, 2, 2), ("metal", 256, 2, 2)],
+    "name, D, fraction, blocks, evals",
+    [
+        ("cpu", 32, 2, 16, 0),
+        ("cuda", 256, 2, 2, 2),
+        ("metal", 256, 2, 2, 2),
+        ("cuda", 256, 8 / 3, 4, 4),  # 192 queries' budget: blocks of 128
+    ],
 )
 def test_materialised_scores_go_in_query_blocks(
-    monkeypatch, backend, fused_calls, name, D, blocks, evals
+    monkeypatch, backend, fused_calls, name, D, fraction, blocks, evals
 ):
     """CPU: chained blocks of an eighth of the budget, never evaluated; a GPU:
-    blocks of the budget, each evaluated (a chain bounds nothing there)."""
+    blocks of the budget rounded down to a power of two queries, each
+    evaluated (a chain bounds nothing there)."""
     backend(name)
     q, k, v, mask = inputs(N=512, L=1536, D=D, dtype=mx.bfloat16)
     calls = callers_of(base.scaled_dot_product_attention, monkeypatch)
     scores = 4 * 8 * 512 * 1536
-    scaled_dot_product_attention(q, k, v, None, 0.2, mask, max_scores=scores // 2)
+    budget = int(scores / fraction)
+    out = scaled_dot_product_attention(q, k, v, None, 0.2, mask, max_scores=budget)
     assert len(fused_calls) == blocks and sum(calls) == evals
     assert all(
         m.dtype == mx.bool_ and m.shape[-2] == 512 // blocks for m in fused_calls
     )
+    assert same(out, upstream_sdpa()(q, k, v, None, 0.2, mask))
 
 
 @pytest.mark.parametrize("mask", ["causal", None])
@@ -195,7 +203,6 @@ def peak_above_active(**kwargs):
 
 
 @pytest.mark.parametrize("fraction", [2, 4])
-@pytest.mark.usefixtures("cpu_device")
 def test_blocked_call_holds_no_more_than_its_budget(fraction):
     """Without any eval between the blocks: lazily, MLX would compute every
     block's scores before the first softmax (the whole call's peak)."""
@@ -207,7 +214,6 @@ def test_blocked_call_holds_no_more_than_its_budget(fraction):
     assert blocked <= scores // fraction + output
 
 
-@pytest.mark.usefixtures("cpu_device")
 def test_blocked_attention_compiles_and_gives_the_same_output():
     """``mx.eval`` would raise inside ``mx.compile``."""
     q, k, v, mask = inputs()

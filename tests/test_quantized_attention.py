@@ -11,13 +11,13 @@ from ringref import active, random_kv, same
 import mlx_lm_patched
 from mlx_lm_patched import tiny
 
-pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory")
+pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory", "cpu_device")
 
 
 @pytest.fixture
 def cpu_device():
-    """MLX's CPU as the default device: the road through attention the test
-    pins (chained query blocks), also on a machine with a GPU."""
+    """MLX's CPU as the default device, also on a machine with a GPU: tests
+    fake the backend to pin each road, and compute on CPU."""
     device = mx.default_device()
     mx.set_default_device(mx.cpu)
     yield
@@ -147,7 +147,6 @@ def test_kv_bits_generates_upstream_s_tokens_without_quantized_matmul(
     assert run() == want
 
 
-@pytest.mark.usefixtures("cpu_device")
 def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):
     """``mx.eval`` would raise inside ``mx.compile``; none is called either."""
     rng = np.random.default_rng(0)
@@ -167,7 +166,6 @@ def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):
     assert same(mx.compile(f)(queries, keys, values, mask), lazy)
 
 
-@pytest.mark.usefixtures("cpu_device")
 def test_blocked_quantized_attention_holds_about_its_budget():
     rng = np.random.default_rng(0)
     queries = mx.array(rng.standard_normal((1, 8, 512, 64), dtype=np.float32))
@@ -190,3 +188,30 @@ def test_blocked_quantized_attention_holds_about_its_budget():
     whole, blocked = peak(scores), peak(scores // 4)
     assert whole >= scores
     assert blocked <= whole / 2
+
+
+@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 0)])
+def test_each_backend_s_road_and_its_evals(monkeypatch, name, evals):
+    """CPU: chained blocks, no eval; Metal: blocks of a power of two queries,
+    each evaluated; CUDA: dequantized keys through fused attention, no eval.
+    CPU and Metal give upstream's output bit for bit."""
+    rng = np.random.default_rng(0)
+    queries = mx.array(rng.standard_normal((1, 8, 64, 64), dtype=np.float32))
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
+    mask = mx.array(rng.standard_normal((1, 1, 64, 96), dtype=np.float32)) > 0
+    upstream = mlx_lm_patched.get_original(
+        "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
+    )
+    want = upstream(queries * 1, keys, values, 0.1, mask, 64, 8)
+    fake_backend(monkeypatch, name)
+    calls, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: calls.append(a) or evaluate(*a))
+    budget = 4 * 8 * 96 * 24  # 24 queries' scores: blocks of 16 on Metal
+    got = quantized_scaled_dot_product_attention(
+        queries * 1, keys, values, 0.1, mask, 64, 8, block_bytes=budget
+    )
+    assert len(calls) == evals
+    if name == "cuda":
+        assert mx.allclose(got, want, atol=1e-5).item()
+    else:
+        assert same(got, want)

@@ -10,10 +10,11 @@ block depends on the previous one's output (``mx.depends``) and nothing is
 evaluated; on a GPU each block is evaluated (a chain bounds nothing there;
 see ``bounded_attention``). Chained, the peak stayed within 1.15x of the
 evaluated blocks' (a 1024 x 3072 float32 call, 16 heads, CPU: 62.5 MiB
-against 54.5 MiB for a 24 MiB budget) once the keys and values broadcast over
-the query heads are copied once, not in every block. Head dims that no group size divides are zero-padded
-by ``QuantizedKVCache`` (keys and values alike); the queries are padded to
-match and the padding dropped from the output.
+against 54.5 MiB for a 24 MiB budget) once the keys and values broadcast
+over the query heads are copied once, not in every block. Head dims that no
+group size divides are zero-padded by ``QuantizedKVCache`` (keys and values
+alike); the queries are padded to match and the padding dropped from the
+output.
 
 On MLX's CUDA backend ``mx.quantized_matmul`` has no kernel for a cache's
 keys and values (slices of a larger buffer: ``[quantized_matmul] No

@@ -273,5 +273,5 @@ def test_a_ring_past_its_window_generates_upstream_s_tokens(backend, name):
         return greedy(model, cache, prompt, 40, chunk=100)
 
     ours = run()
-    mlx_lm_patched.revert("bounded_attention")
+    mlx_lm_patched.revert("quantized_attention", "bounded_attention")
     assert ours == run()

@@ -153,17 +153,28 @@ def test_dispatch_knows_every_command_and_refuses_others(capsys):
     assert "memory,quantized,soak,all" in capsys.readouterr().err
 
 
-def test_e2e_tiny_model_runs_every_cache():
+def test_e2e_tiny_model_runs_every_cache_and_scenario():
     from mlx_lm_patched.bench import e2e
 
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
-    tiny += "--vocab 100 --prompt 300 --chunk 128 --max-size 128 --decode 8 "
-    tiny += "--rounds 1 --device cpu --only rotating_prealloc"
+    tiny += "--vocab 100 --prompts 300 --chunk 128 --max-size 128 --decode 8 "
+    tiny += "--kv-prompt 200 --kv-bits 8 --batch-prompts 90,60 --batch-new 3 "
+    tiny += "--batch-max-kv 64 --rounds 1 --device cpu --only rotating_prealloc"
     out = e2e.main(tiny.split())
     assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
-    for side in ("upstream", "patched", "kvcache", "only_rotating_prealloc"):
-        assert out[side]["decode_tokens"] == 8
-    assert out["patched"]["cache_nbytes_end"] == 128 * token
+    single = out["single"]["300"]
+    for side in ("upstream", "patched", "kvcache", "patched_no_cache_eval"):
+        assert single[side]["decode_tokens"] == 8
+    assert single["only_rotating_prealloc"]["decode_tokens"] == 8
+    assert single["patched"]["cache_nbytes_end"] == 128 * token
     # The unbounded cache holds all 308 tokens, in 256-token steps.
-    assert out["kvcache"]["cache_nbytes_end"] == 512 * token
+    assert single["kvcache"]["cache_nbytes_end"] == 512 * token
+    assert all(isinstance(v, bool) for v in single["targets"].values())
+    q = out["quantized"]
+    assert "NotImplementedError" in q["upstream_rotating_q8"]["error"]
+    for side in ("rotating_q8", "kvcache_q8"):
+        assert q[side]["decode_tokens"] == 8
+    for r in out["batch"].values():
+        assert r["patched"]["generated"] == r["upstream"]["generated"] == 2 * 3
+    assert out["batch"]["max_kv_size=None"]["tokens_match_upstream"]

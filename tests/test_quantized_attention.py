@@ -11,7 +11,17 @@ from ringref import active, random_kv, same
 import mlx_lm_patched
 from mlx_lm_patched import tiny
 
-pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory")
+pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory", "cpu_device")
+
+
+@pytest.fixture
+def cpu_device():
+    """MLX's CPU as the default device, also on a machine with a GPU: tests
+    fake the backend to pin each road, and compute on CPU."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
 
 
 @pytest.mark.parametrize("n_q_heads, mask", [(4, "causal"), (8, "array"), (2, None)])
@@ -61,3 +71,147 @@ def test_quantized_prefill_peak_is_not_above_bfloat16():
     bf16 = prefill_peak(model, prompt, None)
     assert prefill_peak(model, prompt, 8) <= bf16
     assert prefill_peak(model, prompt, 4) <= bf16
+
+
+# Backends: CUDA's quantized_matmul has no kernel for a cache's sliced buffers.
+
+
+def fake_backend(monkeypatch, name):
+    gpu = name != "cpu"
+    monkeypatch.setattr(
+        mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu)
+    )
+    monkeypatch.setattr(mx.metal, "is_available", lambda: name == "metal")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: name == "cuda")
+
+
+def no_quantized_matmul(monkeypatch):
+    """``mx.quantized_matmul`` failing as MLX CUDA's does on a cache slice."""
+
+    def fail(x, w, *args, **kwargs):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(mx, "quantized_matmul", fail)
+
+
+@pytest.mark.parametrize("n_q_heads, mask", [(4, "causal"), (8, "array"), (2, None)])
+@pytest.mark.parametrize("D", [64, 80])
+def test_cuda_attends_over_dequantized_keys_without_quantized_matmul(
+    monkeypatch, n_q_heads, mask, D
+):
+    """Within float32 rounding of upstream (CPU), which multiplies the
+    quantized keys directly; 80 is zero-padded to 128 by the cache."""
+    rng = np.random.default_rng(n_q_heads)
+    queries = mx.array(rng.standard_normal((1, n_q_heads, 37, D), dtype=np.float32))
+    k, v = random_kv(1, 2, 60, D)
+    width = 128 if D == 80 else D
+    pad = [(0, 0)] * 3 + [(0, width - D)]
+    keys, values = (mx.quantize(mx.pad(x, pad), 64, 8) for x in (k, v))
+    if mask == "array":
+        mask = mx.array(rng.standard_normal((1, 1, 37, 60), dtype=np.float32)) > 0
+    upstream = mlx_lm_patched.get_original(
+        "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
+    )
+    want = upstream(mx.pad(queries, pad) * 1, keys, values, 0.1, mask, 64, 8)[..., :D]
+    fake_backend(monkeypatch, "cuda")
+    no_quantized_matmul(monkeypatch)
+    got = quantized_scaled_dot_product_attention(
+        queries * 1, keys, values, 0.1, mask, 64, 8
+    )
+    assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("kv_bits", [4, 8])
+def test_kv_bits_generates_upstream_s_tokens_without_quantized_matmul(
+    monkeypatch, kv_bits
+):
+    """CUDA's road (dequantized keys, fused attention) on a tiny float32 llama,
+    prefilled in chunks: the same greedy tokens as upstream's road on CPU."""
+    model = tiny.build_model(tiny.model_config("llama", head_dim=64))
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, 200))
+
+    def run():
+        steps = generate_step(
+            prompt,
+            model,
+            max_tokens=30,
+            kv_bits=kv_bits,
+            quantized_kv_start=0,
+            prefill_step_size=64,
+        )
+        return [int(t) for t, _ in steps]
+
+    want = run()
+    fake_backend(monkeypatch, "cuda")
+    no_quantized_matmul(monkeypatch)
+    assert run() == want
+
+
+def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):
+    """``mx.eval`` would raise inside ``mx.compile``; none is called either."""
+    rng = np.random.default_rng(0)
+    queries = mx.array(rng.standard_normal((1, 8, 64, 64), dtype=np.float32))
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
+    mask = mx.array(rng.standard_normal((1, 1, 64, 96), dtype=np.float32)) > 0
+
+    def f(queries, keys, values, mask):
+        return quantized_scaled_dot_product_attention(
+            queries * 1, keys, values, 0.1, mask, 64, 8, block_bytes=1 << 14
+        )
+
+    evals, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(a) or evaluate(*a))
+    lazy = f(queries, keys, values, mask)
+    assert not evals
+    assert same(mx.compile(f)(queries, keys, values, mask), lazy)
+
+
+def test_blocked_quantized_attention_holds_about_its_budget():
+    rng = np.random.default_rng(0)
+    queries = mx.array(rng.standard_normal((1, 8, 512, 64), dtype=np.float32))
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 1536, 64))
+    mx.eval(queries, keys, values)
+    scores = 4 * 8 * 512 * 1536
+
+    def peak(block_bytes):
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(
+            quantized_scaled_dot_product_attention(
+                queries * 1, keys, values, 0.1, "causal", 64, 8, block_bytes
+            )
+        )
+        return mx.get_peak_memory() - before
+
+    whole, blocked = peak(scores), peak(scores // 4)
+    assert whole >= scores
+    assert blocked <= whole / 2
+
+
+@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 0)])
+def test_each_backend_s_road_and_its_evals(monkeypatch, name, evals):
+    """CPU: chained blocks, no eval; Metal: blocks of a power of two queries,
+    each evaluated; CUDA: dequantized keys through fused attention, no eval.
+    CPU and Metal give upstream's output bit for bit."""
+    rng = np.random.default_rng(0)
+    queries = mx.array(rng.standard_normal((1, 8, 64, 64), dtype=np.float32))
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
+    mask = mx.array(rng.standard_normal((1, 1, 64, 96), dtype=np.float32)) > 0
+    upstream = mlx_lm_patched.get_original(
+        "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
+    )
+    want = upstream(queries * 1, keys, values, 0.1, mask, 64, 8)
+    fake_backend(monkeypatch, name)
+    calls, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: calls.append(a) or evaluate(*a))
+    budget = 4 * 8 * 96 * 24  # 24 queries' scores: blocks of 16 on Metal
+    got = quantized_scaled_dot_product_attention(
+        queries * 1, keys, values, 0.1, mask, 64, 8, block_bytes=budget
+    )
+    assert len(calls) == evals
+    if name == "cuda":
+        assert mx.allclose(got, want, atol=1e-5).item()
+    else:
+        assert same(got, want)

@@ -1,34 +1,69 @@
 """End-to-end: a Llama-8B-shaped model with random bf16 weights, generating.
 
-A ``--prompt``-token prompt is prefilled in ``--chunk``-token chunks as
-``mlx_lm.generate.generate_step`` does (each chunk's peak recorded), then
-``generate_step`` decodes ``--decode`` tokens, once per cache:
-``RotatingKVCache(--max-size, keep)`` per layer upstream (reverted) and
-patched (applied), and an unbounded ``KVCache`` (and with ``--only PATCH``,
-rings with just that patch applied). Reports peak memory above
-the weights during prefill and during decode, and decode tokens per second:
-each cache is warmed up once, then measured ``--rounds`` times in alternating
-order; peaks are the worst round's, speeds the mean.
-No files: the weights are made on the device.
+Three scenarios, each upstream (``revert()``) against patched (``apply()``)
+against an unbounded ``KVCache``, in one run, one JSON:
 
-    python -m mlx_lm_patched.bench.e2e [--out e2e.json]
+- ``single``: for each ``--prompts`` length, the prompt is prefilled in
+  ``--chunk``-token chunks as ``generate_step`` does (each chunk's peak
+  recorded), then ``generate_step`` decodes ``--decode`` tokens. Caches:
+  ``RotatingKVCache(--max-size, keep)`` per layer upstream and patched, an
+  unbounded ``KVCache``, and ``patched_no_cache_eval``: the patched ring with
+  the cache module's ``mx.eval`` calls skipped (what the rings' per-layer
+  evaluation of their transient costs and saves).
+- ``quantized``: the ``--kv-prompt`` prompt with ``kv_bits`` 4 and 8
+  (quantized from the first token), ring and ``KVCache``, next to their
+  bfloat16 runs; upstream's errors are recorded (on MLX CUDA its quantized
+  attention has no kernel, and its ring cannot be quantized).
+- ``batch``: ``BatchGenerator`` with ``--batch-prompts`` (4 prompts), greedy,
+  ``--batch-new`` tokens each, with ``max_kv_size`` ``--batch-max-kv`` and
+  without (``BatchKVCache``, left-padded).
+
+Each case is warmed up once, then measured ``--rounds`` times in alternating
+order: peaks are the worst round's, times the mean of the rounds (decode:
+the median step). Peaks are bytes above the weights. ``ratios`` and
+``targets`` compare patched to the unbounded cache and to upstream. The JSON
+is also written (``--out``) after every case, so a run cut short keeps what
+it measured. ``--small`` is a CPU-sized model and workload.
+
+    python -m mlx_lm_patched.bench.e2e [--out e2e.json] [--small]
 """
 
 import argparse
+import contextlib
 import functools
 import gc
+import json
 import sys
 import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import mlx_lm_patched
 
 from . import emit, header, parse_args
+
+START = time.perf_counter()
+
+SMALL = {
+    "layers": 4,
+    "hidden": 512,
+    "heads": 8,
+    "kv_heads": 2,
+    "intermediate": 1024,
+    "vocab": 1024,
+    "prompts": [1000, 2000],
+    "chunk": 256,
+    "max_size": 512,
+    "decode": 32,
+    "kv_prompt": 1000,
+    "batch_prompts": [600, 500, 400, 300],
+    "batch_new": 16,
+    "batch_max_kv": 256,
+}
 
 
 def build_model(args):
@@ -59,6 +94,28 @@ def _caches(args, kind):
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
 
 
+@contextlib.contextmanager
+def _without_cache_evals():
+    """The cache module's ``mx.eval`` calls skipped (a diagnostic: MLX is
+    functional, so only memory and timing change)."""
+    import mlx_lm.models.cache as cache_module
+
+    class NoEval:
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def eval(*args, **kwargs):
+            pass
+
+    saved = cache_module.mx
+    cache_module.mx = NoEval()
+    try:
+        yield
+    finally:
+        cache_module.mx = saved
+
+
 def _only(patch):
     mlx_lm_patched.revert()
     mlx_lm_patched.apply(patch, strict=True)
@@ -68,10 +125,21 @@ def _peak(weights):
     return max(mx.get_peak_memory(), mx.get_active_memory()) - weights
 
 
-def run(model, args, kind, prompt, weights):
+def _fresh():
     gc.collect()
+    mx.synchronize()
     mx.clear_cache()
+
+
+def run_single(model, args, kind, prompt, weights, kv_bits=None):
+    _fresh()
     cache = _caches(args, kind)
+    quantize = functools.partial(
+        maybe_quantize_kv_cache,
+        quantized_kv_start=0,
+        kv_group_size=64,
+        kv_bits=kv_bits,
+    )
     # generate_step's prefill, one chunk at a time to see each chunk's peak:
     # all but the last token in chunks, evaluating the caches' state.
     chunk_peaks = []
@@ -79,6 +147,7 @@ def run(model, args, kind, prompt, weights):
     for i in range(0, len(prompt) - 1, args.chunk):
         mx.reset_peak_memory()
         model(prompt[i : min(i + args.chunk, len(prompt) - 1)][None], cache=cache)
+        quantize(cache)
         mx.eval([c.state for c in cache])
         chunk_peaks.append(_peak(weights))
     mx.reset_peak_memory()
@@ -88,33 +157,80 @@ def run(model, args, kind, prompt, weights):
         max_tokens=args.decode + 1,
         prompt_cache=cache,
         sampler=lambda x: mx.argmax(x, axis=-1),
+        kv_bits=kv_bits,
+        quantized_kv_start=0,
     )
     next(gen)
     prefill_s = time.perf_counter() - tic
     first_token_peak = _peak(weights)
     mx.reset_peak_memory()
-    tic = time.perf_counter()
-    n = sum(1 for _ in gen)
-    decode_s = time.perf_counter() - tic
+    steps, tic = [], time.perf_counter()
+    for _ in gen:
+        toc = time.perf_counter()
+        steps.append(toc - tic)
+        tic = toc
     out = {
         "prefill_s": prefill_s,
         "prefill_tok_s": len(prompt) / prefill_s,
-        "prefill_peak_above_weights": max(chunk_peaks + [first_token_peak]),
-        "chunk_peaks_above_weights": chunk_peaks,
-        "decode_tokens": n,
-        "decode_tok_s": n / decode_s,
-        "decode_peak_above_weights": _peak(weights),
+        "prefill_peak": max(chunk_peaks + [first_token_peak]),
+        "chunk_peaks": chunk_peaks,
+        "decode_tokens": len(steps),
+        "decode_ms_median": 1e3 * float(np.median(steps)),
+        "decode_tok_s": len(steps) / sum(steps),
+        "decode_peak": _peak(weights),
         "cache_nbytes_end": sum(c.nbytes for c in cache),
     }
     del cache, gen
-    gc.collect()
-    mx.clear_cache()
+    _fresh()
+    return out
+
+
+def run_batch(model, args, max_kv_size, weights):
+    _fresh()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, args.vocab, n).tolist() for n in args.batch_prompts]
+    gen = BatchGenerator(
+        model,
+        max_tokens=args.batch_new,
+        stop_tokens=[],
+        prefill_step_size=args.chunk,
+        max_kv_size=max_kv_size,
+    )
+    mx.reset_peak_memory()
+    tic = start = time.perf_counter()
+    uids = gen.insert(prompts)
+    tokens = {uid: [] for uid in uids}
+    steps, first = [], None
+    while responses := gen.next_generated():
+        toc = time.perf_counter()
+        if first is None:
+            first, prefill_peak = toc - start, _peak(weights)
+        else:
+            steps.append(toc - tic)
+        tic = toc
+        for r in responses:
+            tokens[r.uid].append(r.token)
+    total = time.perf_counter() - start
+    gen.close()
+    out = {
+        "prefill_s": first,
+        "prefill_peak": prefill_peak,
+        "decode_ms_median": 1e3 * float(np.median(steps)),
+        "total_s": total,
+        "generated": sum(len(t) for t in tokens.values()),
+        "peak": _peak(weights),
+        "tokens": [tokens[u] for u in uids],
+    }
+    del gen
+    _fresh()
     return out
 
 
 def _merge(values, key):
     """Peaks: the worst round's; the rest: the mean."""
     if isinstance(values[0], list):
+        if key == "tokens":
+            return values[0]
         return [_merge(list(x), key) for x in zip(*values)]
     return max(values) if "peak" in key else np.mean(values)
 
@@ -122,31 +238,213 @@ def _merge(values, key):
 def _plain(v):
     if isinstance(v, list):
         return [_plain(x) for x in v]
+    if isinstance(v, (str, bool)) or v is None:
+        return v
     return int(v) if float(v).is_integer() else float(v)
+
+
+def measure(sides, rounds, log):
+    """``sides``: name -> (switch, run). Warm-up, then ``rounds`` in
+    alternating order; a side that raises records its error."""
+    runs = {name: [] for name in sides}
+    errors = {}
+    for r in range(-1, rounds):  # round -1 warms up: kernels, graphs, pools
+        for name in list(sides)[:: 1 if r % 2 else -1]:
+            if name in errors:
+                continue
+            switch, run = sides[name]
+            print(
+                f"[e2e] {time.perf_counter() - START:7.1f} s {log} {name} round {r}",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                with switch():
+                    out = run()
+            except Exception as e:  # upstream's quantized attention on CUDA, ...
+                errors[name] = f"{type(e).__name__}: {e}"[:300]
+                _fresh()
+                continue
+            if r >= 0:
+                runs[name].append(out)
+    result = {}
+    for name in sides:
+        if name in errors:
+            result[name] = {"error": errors[name]}
+            continue
+        outs = runs[name]
+        merged = {k: _merge([o[k] for o in outs], k) for k in outs[0]}
+        result[name] = {k: _plain(v) for k, v in merged.items()}
+    return result
+
+
+def _switch(*patches, without_cache_evals=False):
+    @contextlib.contextmanager
+    def switch():
+        mlx_lm_patched.revert()
+        if patches != ("none",):
+            mlx_lm_patched.apply(*patches)
+        ctx = (
+            _without_cache_evals() if without_cache_evals else contextlib.nullcontext()
+        )
+        with ctx:
+            yield
+        mlx_lm_patched.apply()
+
+    return switch
+
+
+def _save(result, path):
+    """The JSON so far, for a run cut short."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _le(ratio, bound):
+    return ratio is not None and ratio <= bound
+
+
+def _ratio(a, b, key):
+    if "error" in a or "error" in b or not b.get(key):
+        return None
+    return round(a[key] / b[key], 3)
+
+
+def single(model, args, weights, result):
+    result["single"] = {}
+    for n in args.prompts:
+        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+        mx.eval(prompt)
+        run = functools.partial(run_single, model, args, prompt=prompt, weights=weights)
+        sides = {
+            "upstream": (_switch("none"), functools.partial(run, kind="rotating")),
+            "patched": (_switch(), functools.partial(run, kind="rotating")),
+            "kvcache": (_switch(), functools.partial(run, kind="kvcache")),
+            "patched_no_cache_eval": (
+                _switch(without_cache_evals=True),
+                functools.partial(run, kind="rotating"),
+            ),
+        }
+        for patch in args.only:
+            sides[f"only_{patch}"] = (
+                _switch(patch),
+                functools.partial(run, kind="rotating"),
+            )
+        r = measure(sides, args.rounds, f"single {n}")
+        p, u, k = r["patched"], r["upstream"], r["kvcache"]
+        r["ratios"] = {
+            "patched_over_kvcache_prefill_s": _ratio(p, k, "prefill_s"),
+            "patched_over_kvcache_prefill_peak": _ratio(p, k, "prefill_peak"),
+            "patched_over_kvcache_decode_peak": _ratio(p, k, "decode_peak"),
+            "patched_over_upstream_decode_ms": _ratio(p, u, "decode_ms_median"),
+            "upstream_over_kvcache_prefill_s": _ratio(u, k, "prefill_s"),
+            "upstream_over_kvcache_prefill_peak": _ratio(u, k, "prefill_peak"),
+            "no_cache_eval_over_patched_prefill_s": _ratio(
+                r["patched_no_cache_eval"], p, "prefill_s"
+            ),
+            "no_cache_eval_over_patched_prefill_peak": _ratio(
+                r["patched_no_cache_eval"], p, "prefill_peak"
+            ),
+        }
+        q = r["ratios"]
+        r["targets"] = {
+            "prefill_le_1.1x_kvcache": _le(q["patched_over_kvcache_prefill_s"], 1.1),
+            "peak_le_kvcache": _le(q["patched_over_kvcache_prefill_peak"], 1)
+            and _le(q["patched_over_kvcache_decode_peak"], 1),
+            "decode_median_le_upstream": _le(q["patched_over_upstream_decode_ms"], 1),
+        }
+        result["single"][str(n)] = r
+        _save(result, args.out)
+
+
+def quantized(model, args, weights, result):
+    prompt = mx.random.randint(
+        0, args.vocab, (args.kv_prompt,), key=mx.random.key(args.kv_prompt)
+    )
+    mx.eval(prompt)
+    run = functools.partial(run_single, model, args, prompt=prompt, weights=weights)
+    sides = {}
+    for kind in ("rotating", "kvcache"):
+        sides[f"{kind}_bf16"] = (_switch(), functools.partial(run, kind=kind))
+        for bits in args.kv_bits:
+            sides[f"{kind}_q{bits}"] = (
+                _switch(),
+                functools.partial(run, kind=kind, kv_bits=bits),
+            )
+            sides[f"upstream_{kind}_q{bits}"] = (
+                _switch("none"),
+                functools.partial(run, kind=kind, kv_bits=bits),
+            )
+    r = measure(sides, args.rounds, f"quantized {args.kv_prompt}")
+    r["ratios"], r["targets"] = {}, {}
+    for kind in ("rotating", "kvcache"):
+        for bits in args.kv_bits:
+            name = f"{kind}_q{bits}"
+            ratio = _ratio(r[name], r[f"{kind}_bf16"], "prefill_peak")
+            r["ratios"][f"{name}_over_bf16_prefill_peak"] = ratio
+            r["ratios"][f"{name}_over_bf16_decode_ms"] = _ratio(
+                r[name], r[f"{kind}_bf16"], "decode_ms_median"
+            )
+            r["targets"][f"{name}_prefill_peak_lt_bf16"] = _le(ratio, 0.999)
+    result["quantized"] = r
+    _save(result, args.out)
+
+
+def batch(model, args, weights, result):
+    result["batch"] = {}
+    for max_kv in (None, args.batch_max_kv):
+        run = functools.partial(run_batch, model, args, max_kv, weights)
+        sides = {"upstream": (_switch("none"), run), "patched": (_switch(), run)}
+        r = measure(sides, args.rounds, f"batch max_kv_size={max_kv}")
+        p, u = r["patched"], r["upstream"]
+        r["ratios"] = {
+            f"patched_over_upstream_{k}": _ratio(p, u, k)
+            for k in ("prefill_s", "prefill_peak", "decode_ms_median", "peak")
+        }
+        r["tokens_match_upstream"] = (
+            "error" not in p and "error" not in u and p["tokens"] == u["tokens"]
+        )
+        for side in (p, u):
+            side.pop("tokens", None)
+        result["batch"][f"max_kv_size={max_kv}"] = r
+        _save(result, args.out)
 
 
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_lm_patched.bench.e2e",
-        description="Random-weight Llama-8B shape: rotating caches end to end.",
+        description="Random-weight Llama-8B shape: caches end to end.",
     )
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--small", action="store_true", help="a CPU-sized run")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--prompt", type=int, default=6000)
+    p.add_argument("--prompts", type=ints, default=[6000, 16000, 32000])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--max-size", type=int, default=4096)
     p.add_argument("--keep", type=int, default=4)
-    p.add_argument("--decode", type=int, default=300)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--kv-prompt", type=int, default=16000)
+    p.add_argument("--kv-bits", type=ints, default=[4, 8])
+    p.add_argument("--batch-prompts", type=ints, default=[3000, 2500, 2000, 1500])
+    p.add_argument("--batch-new", type=int, default=64)
+    p.add_argument("--batch-max-kv", type=int, default=2048)
+    p.add_argument(
+        "--scenarios",
+        type=lambda s: s.split(","),
+        default=["single", "quantized", "batch"],
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument(
         "--rounds",
         type=int,
         default=2,
-        help="measured runs per cache, in alternating order, after a warm-up",
+        help="measured runs per case, in alternating order, after a warm-up",
     )
     p.add_argument(
         "--only",
@@ -161,39 +459,24 @@ def build_parser():
 
 
 def main(argv=None):
-    args = parse_args(build_parser(), argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    if args.small:  # CPU sizes, unless given on the command line
+        given = parser.parse_args(argv)
+        for k, v in SMALL.items():
+            if getattr(given, k) == parser.get_default(k):
+                setattr(args, k, v)
     model = build_model(args)
-    gc.collect()
-    mx.clear_cache()
+    _fresh()
     weights = mx.get_active_memory()
-    prompt = mx.random.randint(0, args.vocab, (args.prompt,))
-    mx.eval(prompt)
     result = {
         **header("e2e", [p.name for p in mlx_lm_patched.PATCHES]),
         "config": vars(args),
         "weights_bytes": weights,
     }
-    sides = {
-        "upstream": (mlx_lm_patched.revert, "rotating"),
-        "patched": (mlx_lm_patched.apply, "rotating"),
-        "kvcache": (mlx_lm_patched.apply, "kvcache"),
-    }
-    for patch in args.only:
-        sides[f"only_{patch}"] = (functools.partial(_only, patch), "rotating")
-    runs = {name: [] for name in sides}
-    for r in range(-1, args.rounds):  # round -1 warms up: kernels, pools
-        for name in list(sides)[:: 1 if r % 2 else -1]:
-            switch, kind = sides[name]
-            switch()
-            print(f"[e2e] {name} round {r}", file=sys.stderr, flush=True)
-            out = run(model, args, kind, prompt, weights)
-            if r >= 0:
-                runs[name].append(out)
-    for name, outs in runs.items():
-        # Peaks: the worst round; speeds: the mean.
-        result[name] = {k: _merge([o[k] for o in outs], k) for k in outs[0]}
-        result[name]["decode_tok_s_by_round"] = [o["decode_tok_s"] for o in outs]
-        result[name] = {k: _plain(v) for k, v in result[name].items()}
+    scenarios = {"single": single, "quantized": quantized, "batch": batch}
+    for name in args.scenarios:
+        scenarios[name](model, args, weights, result)
     mlx_lm_patched.apply()
     emit(result, args.out)
     return result

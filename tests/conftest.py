@@ -43,6 +43,16 @@ def exact_active_memory():
 
 
 @pytest.fixture
+def cpu_device():
+    """MLX's CPU as the default device, also on a machine with a GPU: tests
+    fake the backend to pin each road, and compute on CPU."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+@pytest.fixture
 def upstream():
     """Plain upstream mlx-lm: every patch reverted for the test."""
     mlx_lm_patched.revert()

@@ -18,16 +18,6 @@ from mlx_lm_patched.bounded_attention import scaled_dot_product_attention
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
 
 
-@pytest.fixture
-def cpu_device():
-    """MLX's CPU as the default device, also on a machine with a GPU: tests
-    fake the backend to pin each road, and compute on CPU."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 def upstream_sdpa():
     return mlx_lm_patched.get_original(
         "mlx_lm.models.base", "scaled_dot_product_attention"

@@ -14,16 +14,6 @@ from mlx_lm_patched import tiny
 pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory", "cpu_device")
 
 
-@pytest.fixture
-def cpu_device():
-    """MLX's CPU as the default device, also on a machine with a GPU: tests
-    fake the backend to pin each road, and compute on CPU."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 @pytest.mark.parametrize("n_q_heads, mask", [(4, "causal"), (8, "array"), (2, None)])
 def test_attention_in_query_blocks_is_bit_identical_to_upstream(n_q_heads, mask):
     rng = np.random.default_rng(n_q_heads)

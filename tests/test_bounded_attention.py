@@ -4,7 +4,6 @@ upstream, bounded scores where they are materialised, no sync."""
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import base

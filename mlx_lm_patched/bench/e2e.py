@@ -38,7 +38,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator, generate_step, maybe_quantize_kv_cache
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
@@ -134,8 +134,9 @@ def _fresh():
 def run_single(model, args, kind, prompt, weights, kv_bits=None):
     _fresh()
     cache = _caches(args, kind)
+    # Looked up now: the side being measured (patched or reverted) decides.
     quantize = functools.partial(
-        maybe_quantize_kv_cache,
+        sys.modules["mlx_lm.generate"].maybe_quantize_kv_cache,
         quantized_kv_start=0,
         kv_group_size=64,
         kv_bits=kv_bits,

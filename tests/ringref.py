@@ -235,3 +235,13 @@ def python(*args, env=None):
     )
     assert done.returncode == 0, done.stderr
     return done
+
+
+def fake_backend(monkeypatch, name):
+    """Make MLX look like it runs ``name`` ("cpu", "cuda", "metal") by default."""
+    gpu = name != "cpu"
+    monkeypatch.setattr(
+        mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu)
+    )
+    monkeypatch.setattr(mx.metal, "is_available", lambda: name == "metal")
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: name == "cuda")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
-from ringref import reference_mask, same
+from ringref import fake_backend, reference_mask, same
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -31,16 +31,6 @@ def inputs(B=1, H=8, N=512, L=1536, D=32, dtype=mx.float32, padding=None):
         mask = mask & (mx.arange(L) >= pad) & (mx.arange(L - N, L)[:, None] >= pad)
     mx.eval(q, k, v, mask)
     return q, k, v, mask
-
-
-def fake_backend(monkeypatch, name):
-    """Make MLX look like it runs ``name`` ("cpu", "cuda", "metal") by default."""
-    gpu = name != "cpu"
-    monkeypatch.setattr(
-        mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu)
-    )
-    monkeypatch.setattr(mx.metal, "is_available", lambda: name == "metal")
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: name == "cuda")
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
-from ringref import active, random_kv, same
+from ringref import active, fake_backend, random_kv, same
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -64,15 +64,6 @@ def test_quantized_prefill_peak_is_not_above_bfloat16():
 
 
 # Backends: CUDA's quantized_matmul has no kernel for a cache's sliced buffers.
-
-
-def fake_backend(monkeypatch, name):
-    gpu = name != "cpu"
-    monkeypatch.setattr(
-        mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu)
-    )
-    monkeypatch.setattr(mx.metal, "is_available", lambda: name == "metal")
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: name == "cuda")
 
 
 def no_quantized_matmul(monkeypatch):

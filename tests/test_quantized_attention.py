@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
-from ringref import active, fake_backend, random_kv, same
+from ringref import active, fake_backend, random_kv, same, single_stream
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -111,21 +111,11 @@ def test_kv_bits_generates_upstream_s_tokens_without_quantized_matmul(
     model = tiny.build_model(tiny.model_config("llama", head_dim=64))
     prompt = mx.array(np.random.default_rng(0).integers(0, 512, 200))
 
-    def run():
-        steps = generate_step(
-            prompt,
-            model,
-            max_tokens=30,
-            kv_bits=kv_bits,
-            quantized_kv_start=0,
-            prefill_step_size=64,
-        )
-        return [int(t) for t, _ in steps]
-
-    want = run()
+    kw = dict(kv_bits=kv_bits, quantized_kv_start=0, prefill_step_size=64)
+    want = single_stream(model, prompt, 30, **kw)[0]
     fake_backend(monkeypatch, "cuda")
     no_quantized_matmul(monkeypatch)
-    assert run() == want
+    assert single_stream(model, prompt, 30, **kw)[0] == want
 
 
 def test_blocked_quantized_attention_compiles_and_has_no_sync(monkeypatch):

@@ -24,6 +24,7 @@ from ringref import (
     reference_mask,
     same,
     save_load,
+    single_stream,
     upstream_twin,
 )
 
@@ -263,25 +264,14 @@ def test_lru_prompt_cache_with_quantized_entries_fetches_trims_and_counts_bytes(
     assert len(lru) == 0 and lru.nbytes == 0 and active() == before
 
 
-def greedy_tokens(model, prompt, kv_bits):
-    steps = generate_step(
-        prompt,
-        model,
-        max_tokens=12,
-        kv_bits=kv_bits,
-        quantized_kv_start=0,
-        prefill_step_size=16,
-    )
-    return [int(t) for t, _ in steps]
-
-
 @pytest.mark.parametrize("kv_bits", [8, 4])
 def test_greedy_tokens_with_kv_bits_match_upstream(kv_bits):
     model = tiny.build_model(tiny.model_config("llama", head_dim=64))
     prompt = mx.array(np.random.default_rng(3).integers(0, 512, 45))
-    patched = greedy_tokens(model, prompt, kv_bits)
+    kw = dict(kv_bits=kv_bits, quantized_kv_start=0, prefill_step_size=16)
+    patched = single_stream(model, prompt, 12, **kw)[0]
     mlx_lm_patched.revert()
-    assert patched == greedy_tokens(model, prompt, kv_bits)
+    assert patched == single_stream(model, prompt, 12, **kw)[0]
 
 
 @st.composite

@@ -99,12 +99,20 @@ class BatchRotatingKVCache:
         column = sink + self.left_padding[:, None] - n
         take = ((column >= 0) & (column < S) & (sink < real[:, None]))[:, None, :, None]
         column = mx.clip(column, 0, S - 1)[:, None, :, None]
+        # Unless the update runs past the ring, a row's sinks that take no
+        # token are written to the slot the update writes next: reading no
+        # slot, the ring is written in place (MLX copies a buffer that a
+        # pending op still reads).
+        within = S == 1 or self._offset + S <= self.max_size - self.keep
+        slot = self.keep if self._idx == self.max_size else self._idx
         for name, new in (("keys", keys), ("values", values)):
-            old = getattr(self, name)
-            sinks = mx.where(
-                take, mx.take_along_axis(new, column, axis=2), old[..., : self.keep, :]
-            )
-            setattr(self, name, _put(old, sinks, [0]))
+            old, new = getattr(self, name), mx.take_along_axis(new, column, axis=2)
+            if within:
+                slots = mx.where(take, sink[..., None], slot)
+                setattr(self, name, mx.put_along_axis(old, slots, new, axis=2))
+            else:
+                sinks = mx.where(take, new, old[..., : self.keep, :])
+                setattr(self, name, _put(old, sinks, [0]))
 
     def _rewrite(self, columns):
         """Write ``columns`` (temporal order, evaluated) as the live window."""
@@ -142,8 +150,7 @@ class BatchRotatingKVCache:
             # rolls over it too, and it may be a short row's first token.
             if self._lengths is not None:
                 dropped.append(cache[..., mx.array(order[: n - m], mx.int32), :])
-        # Done reading the ring: evaluate now so the writes below reuse its buffer.
-        mx.eval(seen, dropped)
+        # No sync: the ring's rewrite below depends on ``seen``, its reads.
         self._offset += S
         self.offset = self.offset + S
         kept = [c[..., self.keep :, :] for c in seen]

@@ -117,6 +117,15 @@ def data_pointer(a):
     return np.frombuffer(memoryview(a), dtype=np.uint8).ctypes.data
 
 
+def eval_calls(monkeypatch):
+    """The arguments of every ``mx.eval`` call from now on."""
+    calls, evaluate = [], mx.eval
+    monkeypatch.setattr(
+        mx, "eval", lambda *a, **k: calls.append(a) or evaluate(*a, **k)
+    )
+    return calls
+
+
 def buffers_through(cache, batch, sizes, monkeypatch):
     """Update ``cache`` with float16 chunks of ``sizes``; return the distinct
     (shape, keys pointer, values pointer) seen and the concatenate calls."""

@@ -18,10 +18,13 @@ from mlx_lm.models.cache import (
 from ringref import (
     Rows,
     buffers_through,
+    eval_calls,
+    fake_backend,
     random_kv,
 )
 
 import mlx_lm_patched
+from mlx_lm_patched import tiny
 
 
 def random_session(rng, keep=0, window=None):
@@ -120,13 +123,28 @@ def test_batch_ring_no_larger_than_keep_keeps_max_size_minus_1_first_tokens(
     assert all(rows.check_extract(b) for b in range(3))
 
 
-def test_decode_and_chunks_never_reallocate_after_the_first_update(monkeypatch):
-    cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7])
-    sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
+@pytest.mark.parametrize("keep", [0, 4])
+def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
+    """Rows whose sinks fill during decode too (``keep`` 4, left padding 7)."""
+    cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
+    sizes = [5, 4] + [1] * 96
     seen, concatenations = buffers_through(cache, 3, sizes, monkeypatch)
     assert concatenations == 0
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_chunks_past_the_ring_leave_a_ring_of_the_same_size_without_sync(
+    monkeypatch, keep
+):
+    cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
+    evals = eval_calls(monkeypatch)
+    sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
+    seen, concatenations = buffers_through(cache, 3, sizes, monkeypatch)
+    assert concatenations == 0
+    assert {s for s, _, _ in seen} == {(3, 2, 32, 8)}
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
+    assert len(evals) == len(sizes)  # buffers_through's own, one an update
 
 
 def test_extracted_row_owns_its_memory():
@@ -273,3 +291,21 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
         assert rows.cache.offset.tolist() == [h[0].shape[2] for h in rows.history]
         # What each row holds now, as its next decode step would see it.
         assert all(rows.check_extract(b) for b in range(rows.B))
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
+def test_a_forward_pass_of_a_batch_ring_has_no_sync(monkeypatch, name):
+    """Every ``mx.eval`` of whole model calls: left padding, then right
+    padding (``prepare``), chunks past the ring, then decode with sinks."""
+    fake_backend(monkeypatch, name)
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    left = [BatchRotatingKVCache(64, [0, 5], keep=4) for _ in model.layers]
+    right = [BatchRotatingKVCache(64, [0, 0], keep=4) for _ in model.layers]
+    for c in right:
+        c.prepare(lengths=[148, 120], right_padding=[0, 28])
+    evals = eval_calls(monkeypatch)
+    for cache, sizes in ((left, (48, 48, 100, 1, 1)), (right, (48, 48, 52))):
+        for n in sizes:
+            mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
+    assert len(evals) == 8

@@ -128,6 +128,21 @@ def test_cuda_gets_one_fused_call_with_an_additive_mask(backend, fused_calls):
     assert m.dtype == mx.bfloat16 and m.shape == mask.shape
 
 
+def test_cuda_makes_a_model_call_s_mask_additive_once(backend, fused_calls):
+    """Every layer gets the same mask: one additive array, not one a layer."""
+    backend("cuda")
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    ring = [RotatingKVCache(64, keep=4) for _ in model.layers]
+    model(mx.arange(48)[None], cache=ring)
+    for n in (48, 30):  # past the ring
+        fused_calls.clear()
+        mx.eval(model(mx.arange(n)[None] % 512, cache=ring))
+        masks = [m for m in fused_calls if isinstance(m, mx.array)]
+        assert len(masks) == len(model.layers) > 1
+        assert len({id(m) for m in masks}) == 1 and masks[0].dtype == mx.bfloat16
+
+
 def test_metal_gets_one_fused_call_with_the_mask_as_it_is(backend, fused_calls):
     backend("metal")
     q, k, v, mask = inputs(D=64, dtype=mx.bfloat16)

@@ -18,6 +18,8 @@ from mlx_lm.models.cache import (
 from ringref import (
     attend,
     buffers_through,
+    eval_calls,
+    fake_backend,
     random_kv,
     reference_mask,
     same,
@@ -26,7 +28,7 @@ from ringref import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import rotating_prealloc
+from mlx_lm_patched import rotating_prealloc, tiny
 
 
 @pytest.fixture
@@ -154,16 +156,44 @@ def test_upstream_rolls_the_decode_mask_as_if_keep_were_zero(upstream):
 
 
 @pytest.mark.parametrize("keep", [0, 4])
-def test_decode_and_chunked_prefill_never_reallocate_after_first_update(
-    monkeypatch, keep
-):
+def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
     max_size = 64
     cache = RotatingKVCache(max_size, keep=keep)
-    sizes = [64, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]
+    sizes = [30, 30, 4] + [1] * (3 * max_size)
     seen, concatenations = buffers_through(cache, 1, sizes, monkeypatch)
     assert concatenations == 0
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
+    monkeypatch, keep
+):
+    """The chunk's new ring is a copy of the newest tokens: writing into the
+    old one in place would need a sync (its readers first)."""
+    max_size = 64
+    cache = RotatingKVCache(max_size, keep=keep)
+    evals = eval_calls(monkeypatch)
+    sizes = [64, 30, 30, 40] + [1] * (3 * max_size) + [50, 17, 1, 1, 64, 100]
+    shapes, concatenations = buffers_through(cache, 1, sizes, monkeypatch)
+    assert concatenations == 0
+    assert {s for s, _, _ in shapes} == {(1, 2, max_size, 8)}
     assert cache.nbytes == 2 * 2 * max_size * 8 * 2
+    assert len(evals) == len(sizes)  # buffers_through's own, one an update
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
+def test_a_forward_pass_past_the_ring_has_no_sync(monkeypatch, name):
+    """Every ``mx.eval`` of a whole model call, chunks past the ring, then
+    decode, on each backend's attention road."""
+    fake_backend(monkeypatch, name)
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    cache = [RotatingKVCache(64, keep=4) for _ in model.layers]
+    evals = eval_calls(monkeypatch)
+    for n in (48, 48, 100, 1, 1):
+        mx.eval(model(mx.arange(n)[None] % 512, cache=cache))
+    assert len(evals) == 5
 
 
 def test_nbytes_is_the_ring_from_the_first_update_on():

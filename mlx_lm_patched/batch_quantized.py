@@ -405,6 +405,7 @@ class _BatchRotatingKVCache:
         cache.left_padding = mx.array(self.left_padding)
         cache.offset = mx.array(self.offset)
         cache._offset, cache._idx, cache.rotated = self._offset, self._idx, self.rotated
+        cache._fewest = self._fewest
         if self._lengths is not None:
             cache._lengths = mx.array(self._lengths)
         if self.keys is not None:

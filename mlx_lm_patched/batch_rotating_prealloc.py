@@ -9,7 +9,12 @@ Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
 does (upstream's batch cache has no ``keep``, so batched rows of
 ``generate --max-kv-size`` diverge from their single streams). With
 ``keep=0`` the saved state is upstream's eight items, which plain mlx-lm
-loads; ``keep`` is a ninth item only when it is not 0.
+loads; ``keep`` is a ninth item only when it is not 0. Once every row holds
+``keep`` tokens (counted on the host, no sync) updates skip the sinks: their
+dozen small ops a layer made a BatchGenerator decode step 2.0x upstream's on
+an H100 (27.8 vs 13.6 ms, Llama-8B shape, 4 rows, ring 2048; 12.5 ms
+without them), and writing them never reads the ring, which would make MLX
+copy it.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
@@ -41,7 +46,9 @@ class BatchRotatingKVCache:
     # ``left_padding[b]``: index among the live columns, oldest first, of row
     # ``b``'s first real token (negative once evicted); ``offset[b]``: real
     # tokens row ``b`` has seen. A row's first ``keep`` tokens also sit in the
-    # window, masked: attention reads them from the sinks.
+    # window, masked: attention reads them from the sinks. ``_fewest``: at
+    # most the fewest real tokens of any row, known without a sync; once it
+    # reaches ``keep`` every row's sinks are full and updates skip them.
 
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
         if max_size < 1:
@@ -53,6 +60,7 @@ class BatchRotatingKVCache:
 
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-l for l in left_padding])
+        self._fewest = -max(left_padding, default=0)
 
         self.max_size = max_size
         self.keep = min(keep, max_size - 1)  # as in RotatingKVCache
@@ -150,7 +158,11 @@ class BatchRotatingKVCache:
             # rolls over it too, and it may be a short row's first token.
             if self._lengths is not None:
                 dropped.append(cache[..., mx.array(order[: n - m], mx.int32), :])
-        # No sync: the ring's rewrite below depends on ``seen``, its reads.
+        # Done reading the ring: evaluate now so the writes below reuse its
+        # buffer. Measured necessary, unlike RotatingKVCache's: BatchGenerator
+        # (Llama-8B shape, H100, 4 prompts of 1500-3000 tokens, ring 2048)
+        # peaked at 12.6 GB without it, 3.8 with it, in the same time.
+        mx.eval(seen, dropped)
         self._offset += S
         self.offset = self.offset + S
         kept = [c[..., self.keep :, :] for c in seen]
@@ -171,8 +183,10 @@ class BatchRotatingKVCache:
         _check_update(self, keys, values)
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
-        if self.keep:
+        if self.keep and self._fewest < self.keep:
             self._update_sinks(keys, values)
+        if self._lengths is None:  # else right padding: finalize() counts
+            self._fewest += S
         if self._offset + S <= self.max_size - self.keep:
             prev = self._idx
             self.keys = _put(self.keys, keys, [prev])
@@ -200,6 +214,20 @@ class BatchRotatingKVCache:
             return self.keys[..., :end, :], self.values[..., :end, :]
         return self.keys, self.values
 
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError(
+                    "Left padding can only be added to an empty BatchRotatingKVCache"
+                )
+            self._fewest -= max(left_padding, default=0)
+            left_padding = mx.array(left_padding)
+            self.left_padding += left_padding
+            self.offset = self.offset - left_padding
+
+        if right_padding is not None and max(right_padding) > 0:
+            self._lengths = mx.array(lengths) + self.offset
+
     def finalize(self):
         if self._lengths is not None:
             if self.keys is not None:
@@ -209,6 +237,7 @@ class BatchRotatingKVCache:
                 mx.eval(live)
                 self._rewrite(live)
             self._lengths = None
+            self._fewest = min(self.offset.tolist(), default=0)
 
     @property
     def state(self):
@@ -246,6 +275,7 @@ class BatchRotatingKVCache:
             (*v, 0) if len(v) == 8 else v
         )
         self._lengths = None
+        self._fewest = min(self.offset.tolist(), default=0)
         if self.keys is not None and self.keys.shape[2] > self.max_size:
             # Upstream's ring right after a multi-token update, in temporal
             # order: keep its newest max_size columns before any mask is made.
@@ -304,6 +334,7 @@ class BatchRotatingKVCache:
         self._offset -= n
         self._idx = self.keep + self._offset
         self.offset = mx.maximum(self.offset - n, 0)
+        self._fewest = max(self._fewest - n, 0)
         self.left_padding = mx.minimum(self.left_padding, self._offset)
         return n
 
@@ -367,6 +398,7 @@ class BatchRotatingKVCache:
                 f"max_size and keep, got {(self.max_size, self.keep)} and "
                 f"{(other.max_size, other.keep)}"
             )
+        self._fewest = min(self._fewest, other._fewest)
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -456,6 +488,7 @@ class BatchRotatingKVCache:
         cache = cls(max_size, [n - c.offset for c in caches], keep)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
+        cache._fewest = min(c.offset for c in caches)
         cache._offset = n
         cache._idx = keep + n
         return cache
@@ -477,6 +510,7 @@ PATCH = Patch(
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "keys_and_values": "b7bc1f199038",
+            "prepare": "d8f6e45cb992",
             "finalize": "3b873fc3d89c",
             "state": "6b269fad0f9b",
             "_check_state": None,

@@ -134,17 +134,16 @@ def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
 
 
 @pytest.mark.parametrize("keep", [0, 4])
-def test_chunks_past_the_ring_leave_a_ring_of_the_same_size_without_sync(
-    monkeypatch, keep
-):
+def test_chunks_past_the_ring_write_in_place_after_one_eval(monkeypatch, keep):
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
     evals = eval_calls(monkeypatch)
     sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
     seen, concatenations = buffers_through(cache, 3, sizes, monkeypatch)
     assert concatenations == 0
-    assert {s for s, _, _ in seen} == {(3, 2, 32, 8)}
+    assert len(seen) == 1
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
-    assert len(evals) == len(sizes)  # buffers_through's own, one an update
+    # buffers_through's own, one an update, and one a chunk past the ring
+    assert len(evals) == len(sizes) + 3
 
 
 def test_extracted_row_owns_its_memory():
@@ -294,7 +293,9 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-def test_a_forward_pass_of_a_batch_ring_has_no_sync(monkeypatch, name):
+def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
+    monkeypatch, name
+):
     """Every ``mx.eval`` of whole model calls: left padding, then right
     padding (``prepare``), chunks past the ring, then decode with sinks."""
     fake_backend(monkeypatch, name)
@@ -308,4 +309,24 @@ def test_a_forward_pass_of_a_batch_ring_has_no_sync(monkeypatch, name):
     for cache, sizes in ((left, (48, 48, 100, 1, 1)), (right, (48, 48, 52))):
         for n in sizes:
             mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
-    assert len(evals) == 8
+    past_the_ring = 4  # 48 + 48, then 100; 48, 48 + 48 + 52 with right padding
+    assert len(evals) == 8 + past_the_ring * len(model.layers)
+
+
+def test_updates_write_sinks_only_while_a_row_lacks_keep_tokens(monkeypatch):
+    """Known without a sync: merged rows, right padding (counted at
+    ``finalize``), decode; the rows' sinks hold their first tokens."""
+    calls, update = [], BatchRotatingKVCache._update_sinks
+    monkeypatch.setattr(
+        BatchRotatingKVCache,
+        "_update_sinks",
+        lambda *a: calls.append(a[1].shape[2]) or update(*a),
+    )
+    rows = Rows(32, [0, 3, 7], keep=4)  # row 0: no token yet
+    assert all(rows.check(S) for S in (2, 1, 1, 1, 1))
+    assert calls == [2, 1, 1]
+    calls.clear()
+    rows = Rows(32, [0, 0], keep=4)
+    assert rows.check_prefill([6, 4], [10, 3])  # finalize: 3 real tokens
+    assert all(rows.check(S) for S in (1, 1, 1))
+    assert calls == [6, 4, 1]

@@ -6,17 +6,16 @@ against an unbounded ``KVCache``, in one run, one JSON:
 - ``single``: for each ``--prompts`` length, the prompt is prefilled in
   ``--chunk``-token chunks as ``generate_step`` does (each chunk's peak
   recorded), then ``generate_step`` decodes ``--decode`` tokens. Caches:
-  ``RotatingKVCache(--max-size, keep)`` per layer upstream and patched, an
-  unbounded ``KVCache``, and ``patched_no_cache_eval``: the patched ring with
-  the cache module's ``mx.eval`` calls skipped (what the rings' per-layer
-  evaluation of their transient costs and saves).
+  ``RotatingKVCache(--max-size, keep)`` per layer upstream and patched, and
+  an unbounded ``KVCache``.
 - ``quantized``: the ``--kv-prompt`` prompt with ``kv_bits`` 4 and 8
   (quantized from the first token), ring and ``KVCache``, next to their
   bfloat16 runs; upstream's errors are recorded (on MLX CUDA its quantized
   attention has no kernel, and its ring cannot be quantized).
 - ``batch``: ``BatchGenerator`` with ``--batch-prompts`` (4 prompts), greedy,
   ``--batch-new`` tokens each, with ``max_kv_size`` ``--batch-max-kv`` and
-  without (``BatchKVCache``, left-padded).
+  without (``BatchKVCache``, left-padded); ``ratios`` of the bounded batch
+  over the unbounded one, patched.
 
 Each case is warmed up once, then measured ``--rounds`` times in alternating
 order: peaks are the worst round's, times the mean of the rounds (decode:
@@ -92,28 +91,6 @@ def _caches(args, kind):
     if kind == "kvcache":
         return [KVCache() for _ in range(args.layers)]
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
-
-
-@contextlib.contextmanager
-def _without_cache_evals():
-    """The cache module's ``mx.eval`` calls skipped (a diagnostic: MLX is
-    functional, so only memory and timing change)."""
-    import mlx_lm.models.cache as cache_module
-
-    class NoEval:
-        def __getattr__(self, name):
-            return getattr(mx, name)
-
-        @staticmethod
-        def eval(*args, **kwargs):
-            pass
-
-    saved = cache_module.mx
-    cache_module.mx = NoEval()
-    try:
-        yield
-    finally:
-        cache_module.mx = saved
 
 
 def _only(patch):
@@ -279,17 +256,13 @@ def measure(sides, rounds, log):
     return result
 
 
-def _switch(*patches, without_cache_evals=False):
+def _switch(*patches):
     @contextlib.contextmanager
     def switch():
         mlx_lm_patched.revert()
         if patches != ("none",):
             mlx_lm_patched.apply(*patches)
-        ctx = (
-            _without_cache_evals() if without_cache_evals else contextlib.nullcontext()
-        )
-        with ctx:
-            yield
+        yield
         mlx_lm_patched.apply()
 
     return switch
@@ -322,10 +295,6 @@ def single(model, args, weights, result):
             "upstream": (_switch("none"), functools.partial(run, kind="rotating")),
             "patched": (_switch(), functools.partial(run, kind="rotating")),
             "kvcache": (_switch(), functools.partial(run, kind="kvcache")),
-            "patched_no_cache_eval": (
-                _switch(without_cache_evals=True),
-                functools.partial(run, kind="rotating"),
-            ),
         }
         for patch in args.only:
             sides[f"only_{patch}"] = (
@@ -341,12 +310,6 @@ def single(model, args, weights, result):
             "patched_over_upstream_decode_ms": _ratio(p, u, "decode_ms_median"),
             "upstream_over_kvcache_prefill_s": _ratio(u, k, "prefill_s"),
             "upstream_over_kvcache_prefill_peak": _ratio(u, k, "prefill_peak"),
-            "no_cache_eval_over_patched_prefill_s": _ratio(
-                r["patched_no_cache_eval"], p, "prefill_s"
-            ),
-            "no_cache_eval_over_patched_prefill_peak": _ratio(
-                r["patched_no_cache_eval"], p, "prefill_peak"
-            ),
         }
         q = r["ratios"]
         r["targets"] = {
@@ -410,6 +373,15 @@ def batch(model, args, weights, result):
             side.pop("tokens", None)
         result["batch"][f"max_kv_size={max_kv}"] = r
         _save(result, args.out)
+    bounded = result["batch"][f"max_kv_size={args.batch_max_kv}"]["patched"]
+    unbounded = result["batch"]["max_kv_size=None"]["patched"]
+    keys = ("prefill_s", "prefill_peak", "decode_ms_median", "peak")
+    ratios = {k: _ratio(bounded, unbounded, k) for k in keys}
+    result["batch"]["bounded_over_unbounded"] = ratios
+    result["batch"]["targets"] = {
+        "bounded_le_unbounded": all(_le(ratios[k], 1) for k in keys)
+    }
+    _save(result, args.out)
 
 
 def build_parser():

@@ -121,19 +121,15 @@ class RotatingKVCache:
         runs = [[0, keep], [self._idx, n], [keep, self._idx]]
         if m < n:
             runs[1 if self._idx < n else 2][0] += 1
-        seen = []
-        for cache, new in ((self.keys, keys), (self.values, values)):
-            B, H, S, D = new.shape
-            seen.append(mx.zeros((B, H, m + S, D), new.dtype))
-            at = 0
-            for a, b in runs:
-                seen[-1][..., at : at + b - a, :] = cache[..., a:b, :]
-                at += max(0, b - a)
-            seen[-1][..., m:, :] = new
-        # The ring becomes a copy of the newest tokens, made once attention's
-        # tokens are: nothing waits for the old ring's readers (no sync).
+        seen = [
+            mx.concatenate([c[..., a:b, :] for a, b in runs if a < b] + [x], axis=2)
+            for c, x in ((self.keys, keys), (self.values, values))
+        ]
+        # The ring becomes a copy of the newest tokens: writing into the old
+        # one in place would wait for its readers (a sync inside the model).
+        end = seen[0].shape[2]
         slots = list(range(self.keep)) + list(
-            range(m + S - self.max_size + self.keep, m + S)
+            range(end - self.max_size + self.keep, end)
         )
         slots = mx.array(slots, mx.int32)
         self.keys, self.values = seen[0][..., slots, :], seen[1][..., slots, :]

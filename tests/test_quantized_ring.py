@@ -19,9 +19,19 @@ from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
-from ringref import data_pointer, random_kv, reference_mask, same, same_mask, save_load
+from ringref import (
+    data_pointer,
+    eval_calls,
+    fake_backend,
+    random_kv,
+    reference_mask,
+    same,
+    same_mask,
+    save_load,
+)
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
+from mlx_lm_patched import tiny  # noqa: E402
 
 QuantizedRotatingKVCache = cache_module.QuantizedRotatingKVCache
 
@@ -347,3 +357,16 @@ def test_quantized_ring_equals_the_fp_ring_fed_the_quantized_tokens(
             assert mx.allclose(want, ref, atol=1e-5).item()
         assert fp.offset == hk.shape[2]
         check_ring_state(ours, fp, window)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
+def test_a_forward_pass_past_the_quantized_ring_has_no_sync(monkeypatch, name):
+    """Every ``mx.eval`` of whole model calls: chunks past the ring, decode."""
+    fake_backend(monkeypatch, name)
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    cache = [QuantizedRotatingKVCache(64, keep=4, bits=8) for _ in model.layers]
+    evals = eval_calls(monkeypatch)
+    for n in (48, 48, 100, 1, 1):
+        mx.eval(model(mx.arange(n)[None] % 512, cache=cache))
+    assert len(evals) == 5

@@ -73,18 +73,31 @@ class RotatingKVCache:
     #   positions, slots ``[keep, max_size)`` the last ``max_size - keep`` in
     #   rotated order, the oldest at ``_idx`` (at ``keep`` when ``_idx == max_size``).
     # This is upstream's layout after its trims, so decode sees the same arrays.
+    # With ``slack > 0`` an undo ring of ``2 * slack`` slots holds positions
+    # ``[_lo, _hi)`` past the first ``keep`` (position ``p`` in slot
+    # ``p % (2 * slack)``): the newest evicted tokens and, copied ahead before
+    # they are evicted, the oldest in the window, so ``trim`` can put back
+    # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
-    def __init__(self, max_size, keep=0):
+    def __init__(self, max_size, keep=0, slack=0):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         # The newest token needs a slot of its own: a ring no larger than
         # ``keep`` keeps ``max_size - 1`` first tokens.
         self.keep = min(keep, max_size - 1)
+        if not 0 <= slack <= max_size - self.keep:
+            raise ValueError(
+                f"RotatingKVCache: slack must be in [0, {max_size - self.keep}] "
+                f"(max_size - keep), got {slack}"
+            )
         self.keys = None
         self.values = None
         self.offset = 0
         self.max_size = max_size
         self._idx = 0
+        self.slack = slack
+        self._undo_keys = self._undo_values = None
+        self._lo = self._hi = 0
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
@@ -127,7 +140,8 @@ class RotatingKVCache:
         self.values = _put(self.values, seen[1][..., start:, :], [self.keep])
         self.offset += keys.shape[2]
         self._idx = self.max_size
-        return tuple(seen)
+        first = self.offset - S - m + keep
+        return self._hold(*seen, first, lambda p: p - first + keep)
 
     def update_and_fetch(self, keys, values):
         _check_update(self, keys, values)
@@ -140,7 +154,7 @@ class RotatingKVCache:
             self.values = _put(self.values, values, [prev])
             self.offset += S
             self._idx = self.offset
-            return self.keys_and_values()
+            return self._hold(*self.keys_and_values())
         if S > 1:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
@@ -149,7 +163,41 @@ class RotatingKVCache:
         self.values[..., self._idx : self._idx + 1, :] = values
         self.offset += 1
         self._idx += 1
-        return self.keys, self.values
+        return self._hold(self.keys, self.values)
+
+    def _slot(self, p):
+        """The ring slot of position ``p``: ``[keep, max_size)``, the oldest
+        in the window at ``_idx``."""
+        ring = self.max_size - self.keep
+        return self.keep + (self._idx - self.keep + p - self.offset) % ring
+
+    def _hold(self, keys, values, first=None, index=None):
+        """Return ``keys`` and ``values``; once the next update evicts, first
+        copy into the undo ring the next ``slack`` tokens to leave the window
+        and any evicted ones not held yet (positions from ``first``, at
+        ``index(p)`` of ``keys``/``values``; default: the ring's). The copy
+        reads the ring: attention depends on it, so it is done before the
+        next update writes the ring in place."""
+        oldest = self.offset - self.max_size + self.keep
+        if self.slack == 0 or oldest < self.keep or self._hi > oldest:
+            return keys, values
+        if self._undo_keys is None or self._undo_keys.shape[2] != 2 * self.slack:
+            B, H, _, Dk = keys.shape
+            shape = (B, H, 2 * self.slack)
+            self._undo_keys = mx.zeros((*shape, Dk), keys.dtype)
+            self._undo_values = mx.zeros((*shape, values.shape[3]), values.dtype)
+            self._lo = self._hi = 0
+        first, index = (oldest, self._slot) if index is None else (first, index)
+        start = max(self._hi, first, oldest - self.slack)
+        if start > self._hi:
+            self._lo = start
+        self._hi = min(oldest + self.slack, self.offset)
+        self._lo = max(self._lo, self._hi - 2 * self.slack)
+        held = mx.array([p % (2 * self.slack) for p in range(start, self._hi)])
+        src = mx.array([index(p) for p in range(start, self._hi)])
+        self._undo_keys[..., held, :] = keys[..., src, :]
+        self._undo_values[..., held, :] = values[..., src, :]
+        return tuple(mx.depends([keys, values], [self._undo_keys, self._undo_values]))
 
     @property
     def state(self):
@@ -157,17 +205,23 @@ class RotatingKVCache:
             k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         else:
             k, v = self.keys, self.values
-        return k, v, self.offset, self.keep, self.max_size, self._idx
+        state = k, v, self.offset, self.keep, self.max_size, self._idx
+        if self.slack:
+            undo = self._undo_keys, self._undo_values
+            state += (*undo, self.slack, self._lo, self._hi)
+        return state
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v[:6]
+        undo = v[6:] or (None, None, 0, 0, 0)
+        self._undo_keys, self._undo_values, self.slack, self._lo, self._hi = undo
 
     @staticmethod
     def _check_state(v):
-        if len(v) != 6:
-            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6")
-        keys, values, offset, keep, max_size, _idx = v
+        if len(v) not in (6, 11):
+            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6 or 11")
+        keys, values, offset, keep, max_size, _idx = v[:6]
         n = _stored(keys, values)
         if max_size < 1 or not 0 <= keep < max_size:
             raise ValueError(
@@ -186,20 +240,66 @@ class RotatingKVCache:
             raise ValueError(
                 f"_idx {_idx} does not fit offset {offset} and keep {keep}"
             )
+        if len(v) == 11:
+            undo_keys, undo_values, slack, lo, hi = v[6:]
+            held = _stored(undo_keys, undo_values)
+            if not 0 < slack <= max_size - keep or held not in (0, 2 * slack):
+                raise ValueError(
+                    f"slack {slack} with {held} undo slots: need 0 < slack <= "
+                    f"max_size - keep and 0 or 2 * slack slots"
+                )
+            if not (held and keep <= lo <= hi <= lo + held) and lo | hi:
+                raise ValueError(f"undo positions [{lo}, {hi}) do not fit its slots")
+
+    def trimmable_tokens(self):
+        """How many tokens ``trim`` can take off exactly: all of them until
+        the ring wraps, then as many as the undo ring holds evicted."""
+        oldest = self.offset - self.max_size + self.keep
+        if oldest <= self.keep:
+            return self.offset
+        if not self._lo <= oldest <= self._hi:
+            return 0
+        return self.offset if self._lo == self.keep else oldest - self._lo
 
     def trim(self, n):
         name = type(self).__name__
         if n < 0:
             raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
-        if n and self.offset > self.max_size:
+        if self.offset <= self.max_size:
+            n = min(self.offset, n)
+            self.offset -= n
+            self._idx = self.offset
+            self._hi = min(self._hi, self.offset)
+            return n
+        if n > self.trimmable_tokens():
             raise ValueError(
                 f"{name}.trim: the ring has wrapped (offset {self.offset} > "
-                f"max_size {self.max_size}), its oldest tokens are gone; "
-                "check is_trimmable() first"
+                f"max_size {self.max_size}) and can put back "
+                f"{self.trimmable_tokens()} evicted tokens (slack {self.slack}), "
+                f"not {n}; check trimmable_tokens() first"
             )
-        n = min(self.offset, n)
+        # Put the evicted tokens back in the slots of the newest ``n``.
+        oldest = self.offset - self.max_size + self.keep
+        back = range(max(oldest - n, self.keep), min(oldest, self.offset - n))
+        if len(back):
+            slots = mx.array([self._slot(p) for p in back])
+            held = mx.array([p % (2 * self.slack) for p in back])
+            self.keys[..., slots, :] = self._undo_keys[..., held, :]
+            self.values[..., slots, :] = self._undo_values[..., held, :]
+        ring = self.max_size - self.keep
+        if self.offset - n <= self.max_size:
+            # Unwrapped again: slot ``s`` holds position ``s``.
+            order = [
+                *range(self.keep),
+                *map(self._slot, range(self.keep, self.max_size)),
+            ]
+            self.keys = self.keys[..., mx.array(order), :]
+            self.values = self.values[..., mx.array(order), :]
+            self._idx = self.offset - n
+        else:
+            self._idx = self.keep + (self._idx - self.keep - n - 1) % ring + 1
         self.offset -= n
-        self._idx = self.offset
+        self._hi = min(self._hi, self.offset)
         return n
 
     def make_mask(
@@ -249,8 +349,11 @@ PATCH = Patch(
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
+            "_slot": None,
+            "_hold": None,
             "state": "58270b869508",
             "_check_state": None,
+            "trimmable_tokens": None,
             "trim": "798fee465b19",
             "make_mask": "aae2a6dcb644",
         },

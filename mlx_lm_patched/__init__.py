@@ -24,8 +24,10 @@ from . import (
     quantized_attention,
     quantized_cache,
     quantized_ring,
+    ring_trim_slack,
     rotating_prealloc,
     server_kv_bits,
+    speculative_bounded,
 )
 from ._registry import (
     UPSTREAM_VERSION,
@@ -54,6 +56,8 @@ PATCHES: List[_registry.Patch] = [
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
+    ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
+    speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
 ]
 _registry.check_disjoint(PATCHES)
 

@@ -21,6 +21,7 @@ from . import (
     max_kv_size,
     negative_trim,
     prompt_cache_files,
+    prompt_cache_store,
     quantized_attention,
     quantized_cache,
     quantized_ring,
@@ -54,6 +55,7 @@ PATCHES: List[_registry.Patch] = [
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
+    prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
 ]
 _registry.check_disjoint(PATCHES)
 

@@ -27,6 +27,7 @@ from . import (
     quantized_ring,
     rotating_prealloc,
     server_kv_bits,
+    server_prompt_cache,
 )
 from ._registry import (
     UPSTREAM_VERSION,
@@ -56,6 +57,7 @@ PATCHES: List[_registry.Patch] = [
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
+    server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
 ]
 _registry.check_disjoint(PATCHES)
 

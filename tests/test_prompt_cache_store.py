@@ -6,6 +6,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
     CacheList,
     ChunkedKVCache,
     KVCache,
@@ -118,6 +120,29 @@ def test_stored_entry_holds_exactly_the_live_tokens(patched, exact_active_memory
     held = active()
     lru.trim_to(n_sequences=0)
     assert held - active() == nbytes(live)
+
+
+def batch(kind):
+    if kind == "batch_kv":
+        c = BatchKVCache([0, 5, 10])
+    else:
+        c = BatchRotatingKVCache(64, [0, 5, 10])
+    for n in [40] + [1] * 30:  # the ring wraps
+        c.update_and_fetch(*random_kv(3, H, n, DK))
+    return c.to_quantized(group_size=32, bits=8) if kind == "batch_quantized" else c
+
+
+@pytest.mark.parametrize("kind", KINDS + ["batch_kv", "batch_ring", "batch_quantized"])
+def test_nbytes_is_what_a_cache_holds(patched, exact_active_memory, kind):
+    mx.random.seed(0)
+    cache = batch(kind) if kind.startswith("batch") else case(kind)[0]
+    mx.eval(cache.state)
+    with_cache = active()
+    nbytes = cache.nbytes
+    del cache
+    held = with_cache - active()
+    # Besides the tokens, a batch holds its rows' int32 offsets and paddings.
+    assert nbytes <= held <= nbytes + 2 * 3 * 4
 
 
 @pytest.mark.parametrize("kind", ["kv", "quantized"])  # 256-token steps

@@ -21,12 +21,14 @@ from . import (
     max_kv_size,
     negative_trim,
     prompt_cache_files,
+    prompt_cache_store,
     quantized_attention,
     quantized_cache,
     quantized_ring,
     ring_trim_slack,
     rotating_prealloc,
     server_kv_bits,
+    server_prompt_cache,
     speculative_bounded,
 )
 from ._registry import (
@@ -58,6 +60,8 @@ PATCHES: List[_registry.Patch] = [
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
     ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
     speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
+    prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
+    server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
 ]
 _registry.check_disjoint(PATCHES)
 

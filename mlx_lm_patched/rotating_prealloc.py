@@ -64,6 +64,46 @@ def _put(buffer, update, start, axes=(2,)):
     return buffer
 
 
+def _ring_slot(cache, p, offset):
+    """The ring slot of position ``p``, ``offset`` tokens in: ``[keep,
+    max_size)``, the oldest in the window at ``_idx``."""
+    ring = cache.max_size - cache.keep
+    return cache.keep + (cache._idx - cache.keep + p - offset) % ring
+
+
+def _hold(cache, fetched, offset, source=None):
+    """Return ``fetched``; if the next update evicts (``offset`` tokens in),
+    first copy into ``cache``'s undo ring the next ``slack`` tokens to leave
+    the window and the evicted ones not held yet, from ``source``: ``(keys,
+    values, first, index)``, positions from ``first`` at ``index(p)``; by
+    default the ring. ``fetched`` depends on the copy, so attention does it
+    before the next update writes the ring in place."""
+    oldest = offset - cache.max_size + cache.keep
+    if cache.slack == 0 or oldest < cache.keep or cache._hi > oldest:
+        return fetched
+
+    def slot(p):
+        return _ring_slot(cache, p, offset)
+
+    keys, values, first, index = source or (cache.keys, cache.values, oldest, slot)
+    U = 2 * cache.slack
+    if cache._undo_keys is None or cache._undo_keys.shape[:3] != (*keys.shape[:2], U):
+        B, H, _, Dk = keys.shape
+        cache._undo_keys = mx.zeros((B, H, U, Dk), keys.dtype)
+        cache._undo_values = mx.zeros((B, H, U, values.shape[3]), values.dtype)
+        cache._lo = cache._hi = 0
+    start = max(cache._hi, first, oldest - cache.slack)
+    if start > cache._hi:
+        cache._lo = start
+    cache._hi = min(oldest + cache.slack, offset)
+    cache._lo = max(cache._lo, cache._hi - U)
+    held = mx.array([p % U for p in range(start, cache._hi)])
+    src = mx.array([index(p) for p in range(start, cache._hi)])
+    cache._undo_keys[..., held, :] = keys[..., src, :]
+    cache._undo_values[..., held, :] = values[..., src, :]
+    return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
+
+
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
 # there (``class_patch`` pastes it).
 class RotatingKVCache:
@@ -79,12 +119,19 @@ class RotatingKVCache:
     # they are evicted, the oldest in the window, so ``trim`` can put back
     # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
-    def __init__(self, max_size, keep=0, slack=0):
+    # What rings made without a ``slack`` argument get (a model's
+    # ``make_cache``), at most their window: a server sets it to reuse
+    # prompts whose end is re-rendered.
+    slack = 0
+
+    def __init__(self, max_size, keep=0, slack=None):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         # The newest token needs a slot of its own: a ring no larger than
         # ``keep`` keeps ``max_size - 1`` first tokens.
         self.keep = min(keep, max_size - 1)
+        if slack is None:
+            slack = min(type(self).slack, max_size - self.keep)
         if not 0 <= slack <= max_size - self.keep:
             raise ValueError(
                 f"RotatingKVCache: slack must be in [0, {max_size - self.keep}] "
@@ -141,7 +188,8 @@ class RotatingKVCache:
         self.offset += keys.shape[2]
         self._idx = self.max_size
         first = self.offset - S - m + keep
-        return self._hold(*seen, first, lambda p: p - first + keep)
+        source = (*seen, first, lambda p: p - first + keep)
+        return _hold(self, tuple(seen), self.offset, source)
 
     def update_and_fetch(self, keys, values):
         _check_update(self, keys, values)
@@ -154,7 +202,7 @@ class RotatingKVCache:
             self.values = _put(self.values, values, [prev])
             self.offset += S
             self._idx = self.offset
-            return self._hold(*self.keys_and_values())
+            return _hold(self, self.keys_and_values(), self.offset)
         if S > 1:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
@@ -163,41 +211,7 @@ class RotatingKVCache:
         self.values[..., self._idx : self._idx + 1, :] = values
         self.offset += 1
         self._idx += 1
-        return self._hold(self.keys, self.values)
-
-    def _slot(self, p):
-        """The ring slot of position ``p``: ``[keep, max_size)``, the oldest
-        in the window at ``_idx``."""
-        ring = self.max_size - self.keep
-        return self.keep + (self._idx - self.keep + p - self.offset) % ring
-
-    def _hold(self, keys, values, first=None, index=None):
-        """Return ``keys`` and ``values``; once the next update evicts, first
-        copy into the undo ring the next ``slack`` tokens to leave the window
-        and any evicted ones not held yet (positions from ``first``, at
-        ``index(p)`` of ``keys``/``values``; default: the ring's). The copy
-        reads the ring: attention depends on it, so it is done before the
-        next update writes the ring in place."""
-        oldest = self.offset - self.max_size + self.keep
-        if self.slack == 0 or oldest < self.keep or self._hi > oldest:
-            return keys, values
-        if self._undo_keys is None or self._undo_keys.shape[2] != 2 * self.slack:
-            B, H, _, Dk = keys.shape
-            shape = (B, H, 2 * self.slack)
-            self._undo_keys = mx.zeros((*shape, Dk), keys.dtype)
-            self._undo_values = mx.zeros((*shape, values.shape[3]), values.dtype)
-            self._lo = self._hi = 0
-        first, index = (oldest, self._slot) if index is None else (first, index)
-        start = max(self._hi, first, oldest - self.slack)
-        if start > self._hi:
-            self._lo = start
-        self._hi = min(oldest + self.slack, self.offset)
-        self._lo = max(self._lo, self._hi - 2 * self.slack)
-        held = mx.array([p % (2 * self.slack) for p in range(start, self._hi)])
-        src = mx.array([index(p) for p in range(start, self._hi)])
-        self._undo_keys[..., held, :] = keys[..., src, :]
-        self._undo_values[..., held, :] = values[..., src, :]
-        return tuple(mx.depends([keys, values], [self._undo_keys, self._undo_values]))
+        return _hold(self, (self.keys, self.values), self.offset)
 
     @property
     def state(self):
@@ -282,7 +296,7 @@ class RotatingKVCache:
         oldest = self.offset - self.max_size + self.keep
         back = range(max(oldest - n, self.keep), min(oldest, self.offset - n))
         if len(back):
-            slots = mx.array([self._slot(p) for p in back])
+            slots = mx.array([_ring_slot(self, p, self.offset) for p in back])
             held = mx.array([p % (2 * self.slack) for p in back])
             self.keys[..., slots, :] = self._undo_keys[..., held, :]
             self.values[..., slots, :] = self._undo_values[..., held, :]
@@ -291,7 +305,10 @@ class RotatingKVCache:
             # Unwrapped again: slot ``s`` holds position ``s``.
             order = [
                 *range(self.keep),
-                *map(self._slot, range(self.keep, self.max_size)),
+                *(
+                    _ring_slot(self, p, self.offset)
+                    for p in range(self.keep, self.max_size)
+                ),
             ]
             self.keys = self.keys[..., mx.array(order), :]
             self.values = self.values[..., mx.array(order), :]
@@ -339,18 +356,19 @@ PATCH = Patch(
             ("_check_update", _check_update),
             ("_stored", _stored),
             ("_put", _put),
+            ("_ring_slot", _ring_slot),
+            ("_hold", _hold),
         )
     ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {
+            "slack": None,
             "__init__": "e0dcbbd9ab98",
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
-            "_slot": None,
-            "_hold": None,
             "state": "58270b869508",
             "_check_state": None,
             "trimmable_tokens": None,

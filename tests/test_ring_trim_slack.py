@@ -52,3 +52,37 @@ def test_upstream_returns_zero_for_a_wrapped_ring_and_keeps_its_tokens(upstream)
     for _ in range(12):
         ring.update_and_fetch(*random_kv(1, 1, 1, 4))
     assert trim_prompt_cache([ring], 2) == 0 and ring.offset == 12
+
+
+def turns(model, slack):
+    """A stored turn (prompt and answer), then the next turn's prompt: the
+    answer's last 3 tokens re-rendered differently, a new user message.
+    Returns how many tokens the prompt cache left to prefill, of how many,
+    and whether greedy tokens from its cache equal a fresh prefill's."""
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+    from ringref import single_stream
+
+    first = list(range(3, 83)) + list(range(200, 230))  # 110 > window 64
+    second = first[:-3] + [7, 8, 9] + list(range(300, 320))
+    cache = make_prompt_cache(model)
+    for c in cache:
+        if isinstance(c, RotatingKVCache):
+            c.slack = slack
+    model(mx.array(first)[None], cache=cache)
+    store = LRUPromptCache()
+    store.insert_cache("m", first, cache)
+    fetched, rest = store.fetch_nearest_cache("m", second)
+    fetched = fetched or make_prompt_cache(model)
+    want, _ = single_stream(model, second, 8)
+    got, _ = single_stream(model, rest, 8, cache=fetched)
+    return len(rest), len(second), got == want
+
+
+def test_a_wrapped_entry_with_slack_is_trimmed_back_to_the_common_prefix(
+    load_tiny, patched
+):
+    model, _ = load_tiny("gemma3_text")
+    left, total, same_tokens = turns(model, slack=8)
+    assert left == 3 + 20 and same_tokens  # the re-rendered tail and new turn
+    left, total, same_tokens = turns(model, slack=0)
+    assert left == total and same_tokens  # no slack: all of it, as upstream

@@ -17,6 +17,12 @@ token), a loaded cache can be updated (upstream: ``AttributeError:
 _lengths``), ``extract`` returns a row that owns its memory and works on an
 empty cache, and ``trim`` rejects negative counts and never makes a row's
 offset negative.
+
+Rows keep their ``slack`` (``RotatingKVCache(slack=n)``): the batch keeps an
+undo ring over its columns while it decodes, and ``extract`` hands each row
+its evicted tokens, so a row taken out after a wrap can be trimmed back
+(a server's prompt cache reuses it). ``extend`` and right padding reset the
+undo ring; it fills again over the next decode steps.
 """
 
 from typing import List, Optional

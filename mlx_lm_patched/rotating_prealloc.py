@@ -10,9 +10,22 @@ same keys, in the same order, as upstream) and keeps only the ring.
 
 Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
 from the later queries of a chunk, and rolls the single-token mask as if
-``keep=0``), negative trims and trims of a wrapped ring raise instead of
-corrupting ``_idx`` (ml-explore/mlx-lm#1776, #1868), updates whose shape does
-not match the ring raise before anything changes.
+``keep=0``), negative trims raise instead of corrupting ``_idx``
+(ml-explore/mlx-lm#1776, #1868), updates whose shape does not match the ring
+raise before anything changes.
+
+A wrapped ring can step back: ``RotatingKVCache(max_size, keep, slack=n)``
+keeps an undo ring of ``2 * n`` slots holding the newest tokens the window
+evicted, copied ``n`` at a time just before they are evicted (one gather and
+scatter every ``n`` decode steps, which attention depends on, so the ring is
+still written in place), and ``trim(k)`` puts back up to ``n`` of them
+exactly; ``trimmable_tokens()`` says how many. Beyond that, trims of a
+wrapped ring raise and change nothing. The class attribute
+``RotatingKVCache.slack`` (0) is the default of rings a model makes itself;
+with ``slack`` the state carries five more items (the undo ring, slack and
+the positions it holds). Upstream cannot trim a wrapped ring at all, so
+prefix reuse on sliding-window models and speculative decoding with a
+bounded cache fail (ml-explore/mlx-lm#980).
 """
 
 from typing import Optional

@@ -190,3 +190,14 @@ def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
     assert out["patched"]["held_bytes"] == out["live_bytes"]
     assert out["patched"]["tokens"] == out["upstream"]["tokens"]
     assert len(out["patched"]["tokens"]) == 4
+
+
+def test_slack_bench_decodes_every_ring_in_place():
+    from mlx_lm_patched.bench import slack
+
+    small = "--layers 2 --max-size 64 --heads 2 --kv-heads 1 --head-dim 16 "
+    small += "--steps 20 --rounds 1 --slack 4 --device cpu"
+    result = slack.main(small.split())
+    sides = [k for k in result if k.startswith(("upstream", "patched"))]
+    assert sides == ["upstream", "patched_slack_0", "patched_slack_4"]
+    assert all(result[k]["ring_buffers"] == 1 for k in sides)

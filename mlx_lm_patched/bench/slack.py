@@ -8,7 +8,7 @@ what it returns, one ``mx.eval`` per step. Sides: upstream's
 and with each ``--slack`` (an undo copy of ``slack`` tokens every ``slack``
 steps). The sides take turns, ``--steps`` steps each per round over
 ``--rounds`` rounds, so a busy machine slows them alike. Times are the
-median step in ms; ``ring_buffers`` counts the distinct key buffers the
+median and the mean step in ms (the mean counts the copy steps); ``ring_buffers`` counts the distinct key buffers the
 first layer's ring had during decode (1: written in place).
 
     python -m mlx_lm_patched.bench.slack [--rounds 5] [--out slack.json]
@@ -95,6 +95,7 @@ def main(argv=None):
     for name in steps:
         result[name] = {
             "median_step_ms": round(statistics.median(times[name]), 4),
+            "mean_step_ms": round(statistics.mean(times[name]), 4),
             "ring_buffers": len(buffers[name]),
         }
     emit(result, args.out)

@@ -8,8 +8,9 @@ what it returns, one ``mx.eval`` per step. Sides: upstream's
 and with each ``--slack`` (an undo copy of ``slack`` tokens every ``slack``
 steps). The sides take turns, ``--steps`` steps each per round over
 ``--rounds`` rounds, so a busy machine slows them alike. Times are the
-median and the mean step in ms (the mean counts the copy steps); ``ring_buffers`` counts the distinct key buffers the
-first layer's ring had during decode (1: written in place).
+median and the mean step in ms (the mean counts the copy steps);
+``ring_buffers`` counts the distinct key buffers the first layer's ring had
+during decode (1: written in place).
 
     python -m mlx_lm_patched.bench.slack [--rounds 5] [--out slack.json]
 """

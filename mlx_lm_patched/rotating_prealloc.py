@@ -359,6 +359,13 @@ class RotatingKVCache:
             distance = (idx - slots) % ring
         return (slots < self.keep) | (distance < window - self.keep)
 
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        undo = (self._undo_keys, self._undo_values) if self.slack else ()
+        return sum(x.nbytes for x in (self.keys, self.values, *undo) if x is not None)
+
 
 PATCH = Patch(
     "rotating_prealloc",
@@ -387,6 +394,7 @@ PATCH = Patch(
             "trimmable_tokens": None,
             "trim": "798fee465b19",
             "make_mask": "aae2a6dcb644",
+            "nbytes": "14b373f5e3ab",
         },
         removes={
             "_trim": "b810aeeb118b",

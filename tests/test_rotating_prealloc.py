@@ -476,3 +476,10 @@ def test_a_saved_ring_with_slack_loads_and_trims_like_the_original():
             continue_with(original, chunks), continue_with(loaded, chunks)
         ):
             assert all(same(a, b) for a, b in zip(want, got))
+
+
+def test_nbytes_counts_the_undo_ring():
+    cache = RotatingKVCache(8, slack=2)
+    cache.update_and_fetch(*random_kv(1, 2, 12, 4))
+    # keys and values: 8 ring slots and 2 * slack undo slots, float32
+    assert cache.nbytes == 2 * (8 + 4) * 2 * 4 * 4

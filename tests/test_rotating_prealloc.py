@@ -483,3 +483,17 @@ def test_nbytes_counts_the_undo_ring():
     cache.update_and_fetch(*random_kv(1, 2, 12, 4))
     # keys and values: 8 ring slots and 2 * slack undo slots, float32
     assert cache.nbytes == 2 * (8 + 4) * 2 * 4 * 4
+
+
+@pytest.mark.parametrize(
+    "item, value, match",
+    [(8, 0, "slack 0"), (8, 9, "slack 9"), (9, 30, "undo positions"), (10, 2, "undo")],
+)
+def test_a_state_whose_undo_ring_contradicts_itself_raises(item, value, match):
+    cache = RotatingKVCache(8, keep=2, slack=3)
+    cache.update_and_fetch(*random_kv(1, 1, 20, 4))
+    state = list(cache.state)
+    RotatingKVCache._check_state(state)
+    state[item] = value
+    with pytest.raises(ValueError, match=match):
+        RotatingKVCache._check_state(state)

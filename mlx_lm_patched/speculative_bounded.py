@@ -11,7 +11,8 @@ the model's and the draft's caches with ``max_kv_size`` and gives every
 rotating layer ``slack`` for ``num_draft_tokens`` (``RotatingKVCache``
 steps back that many tokens exactly after a wrap, see ``rotating_prealloc``);
 a trim it still cannot do raises (``ring_trim_slack``). Greedy tokens equal
-the no-draft run's with the same ``max_kv_size``.
+the no-draft run's with the same ``max_kv_size``. The quantized ring has no
+slack: ``kv_bits`` with a rotating layer is refused before the first token.
 """
 
 from typing import Generator, List, Optional, Union
@@ -26,9 +27,17 @@ from ._registry import Patch, Target, pasted_into
 
 
 # Written as they read in mlx_lm/generate.py, and run there.
-def _give_slack(prompt_cache, num_draft_tokens):
-    """Let every rotating layer step back ``num_draft_tokens`` after a wrap."""
+def _give_slack(prompt_cache, num_draft_tokens, kv_bits):
+    """Let every rotating layer step back ``num_draft_tokens`` after a wrap.
+    A quantized ring cannot: ``kv_bits`` with a rotating layer is refused
+    here, not at the first trim after the ring wraps."""
     for c in prompt_cache:
+        if hasattr(c, "slack") and kv_bits is not None:
+            raise ValueError(
+                "kv_bits with a draft model: a rotating cache (sliding-window "
+                "layers, max_kv_size) quantizes into a ring that cannot trim "
+                "the rejected draft tokens back"
+            )
         if hasattr(c, "slack") and c.slack < num_draft_tokens:
             if num_draft_tokens > c.max_size - c.keep:
                 raise ValueError(
@@ -105,7 +114,8 @@ def stream_generate(
                 model, max_kv_size
             ) + make_prompt_cache(draft_model, max_kv_size)
         # speculative_generate_step's default: 2 draft tokens.
-        _give_slack(kwargs["prompt_cache"], kwargs.get("num_draft_tokens", 2))
+        num_draft_tokens = kwargs.get("num_draft_tokens", 2)
+        _give_slack(kwargs["prompt_cache"], num_draft_tokens, kwargs.get("kv_bits"))
         token_generator = speculative_generate_step(
             prompt, model, draft_model, stream, **kwargs
         )

@@ -43,3 +43,11 @@ def test_more_draft_tokens_than_a_ring_holds_raise(load_tiny, patched):
     model, tokenizer = load_tiny("llama")
     with pytest.raises(ValueError, match="num_draft_tokens 50 does not fit"):
         tokens(model, tokenizer, model, max_kv_size=48, num_draft_tokens=50)
+
+
+def test_kv_bits_with_a_rotating_layer_raises_before_the_first_token(
+    load_tiny, patched
+):
+    model, tokenizer = load_tiny("gemma3_text")
+    with pytest.raises(ValueError, match="kv_bits with a draft model"):
+        tokens(model, tokenizer, model, kv_bits=8, num_draft_tokens=2)

@@ -216,8 +216,8 @@ def test_every_eviction_goes_through_evict(patched):
         lru.insert_cache("m", [i, i + 10], [c], cache_type=["user", "assistant"][i % 2])
     assert list(lru.spilled) == [(0, 10), (1, 11)]
     lru.trim_to(n_sequences=1)  # by count
-    assert list(lru.spilled)[2:] == [(2, 12)]
+    assert list(lru.spilled)[2:] == [(3, 13)]  # assistant entries go first
     assert [e.nbytes for e in lru.spilled.values()] == [entry] * 3
     assert len(lru) == 1 and lru.nbytes == entry
     stats = lru.stats_by_type()
-    assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (0, entry)
+    assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (entry, 0)

@@ -67,8 +67,11 @@ PATCH = Patch(
     requires=("prompt_cache_store",),
     uses={
         "mlx_lm.server": (
+            "APIHandler",
             "LRUPromptCache",
+            "ModelProvider",
             "ResponseGenerator",
+            "ThreadingHTTPServer",
             "_run_http_server",
             "logging",
             "mx",

@@ -20,6 +20,7 @@ from . import (
     host_export,
     max_kv_size,
     negative_trim,
+    prompt_cache_disk,
     prompt_cache_files,
     quantized_attention,
     quantized_cache,
@@ -54,6 +55,7 @@ PATCHES: List[_registry.Patch] = [
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
+    prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
 ]
 _registry.check_disjoint(PATCHES)
 

@@ -22,6 +22,7 @@ from . import (
     negative_trim,
     prompt_cache_disk,
     prompt_cache_files,
+    prompt_cache_store,
     quantized_attention,
     quantized_cache,
     quantized_ring,
@@ -55,6 +56,7 @@ PATCHES: List[_registry.Patch] = [
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
+    prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
 ]
 _registry.check_disjoint(PATCHES)

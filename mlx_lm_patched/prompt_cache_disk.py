@@ -21,6 +21,11 @@ go first) and is scanned on construction, so entries survive a restart. A
 corrupt, truncated or foreign file is skipped with a warning naming it,
 never served and never raised: the name must be the hash of what the
 header says, the size what the header needs, and the data its CRC.
+
+``DiskLRUPromptCache(disk, max_size, max_bytes)`` is an ``LRUPromptCache``
+that writes every entry it evicts (``_evict``, ``prompt_cache_store``) to
+``disk`` and, where memory holds less of a prompt than the disk tier,
+serves it from there.
 """
 
 import hashlib
@@ -32,6 +37,8 @@ import queue
 import threading
 import zlib
 from typing import Any, List
+
+from mlx_lm.models.cache import LRUPromptCache
 
 from ._registry import Patch, Target, cache_class
 
@@ -229,8 +236,35 @@ class DiskPromptCache:
             self._writer.join()
 
 
-# Written as it reads in mlx_lm/models/cache.py, and runs there.
+class DiskLRUPromptCache:
+    """An ``LRUPromptCache`` that writes what it evicts to ``disk`` (a
+    ``DiskPromptCache``) and reads from it where memory has less."""
+
+    def __init__(
+        self, disk: DiskPromptCache, max_size: int = 10, max_bytes: int = 1 << 63
+    ):
+        LRUPromptCache.__init__(self, max_size, max_bytes)
+        self.disk = disk
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
+        if rest:
+            found = self.disk.get(model, tokens, cached=len(tokens) - len(rest))
+            if found is not None:
+                return found
+        return cache, rest
+
+    def _evict(self):
+        model, tokens, entry = LRUPromptCache._evict(self)
+        self.disk.put(model, tokens, entry.prompt_cache)
+        return model, tokens, entry
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
 DiskPromptCache = cache_class("mlx_lm.models.cache", DiskPromptCache)
+DiskLRUPromptCache = cache_class(
+    "mlx_lm.models.cache", DiskLRUPromptCache, LRUPromptCache
+)
 
 PATCH = Patch(
     "prompt_cache_disk",
@@ -240,11 +274,15 @@ PATCH = Patch(
         Target("mlx_lm.models.cache", m.__name__, m, None)
         for m in (hashlib, io, json, logging, os, queue, threading, zlib)
     ]
-    + [Target("mlx_lm.models.cache", "DiskPromptCache", DiskPromptCache, None)],
-    requires=("host_export",),
+    + [
+        Target("mlx_lm.models.cache", "DiskPromptCache", DiskPromptCache, None),
+        Target("mlx_lm.models.cache", "DiskLRUPromptCache", DiskLRUPromptCache, None),
+    ],
+    requires=("host_export", "prompt_cache_store"),
     uses={
         "mlx_lm.models.cache": (
             "Any",
+            "LRUPromptCache",
             "List",
             "PromptTrie",
             "can_trim_prompt_cache",

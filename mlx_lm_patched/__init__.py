@@ -28,6 +28,7 @@ from . import (
     quantized_ring,
     rotating_prealloc,
     server_kv_bits,
+    server_prompt_cache,
 )
 from ._registry import (
     UPSTREAM_VERSION,
@@ -58,6 +59,7 @@ PATCHES: List[_registry.Patch] = [
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
+    server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
 ]
 _registry.check_disjoint(PATCHES)
 

@@ -148,7 +148,7 @@ def test_soak_writes_to_out_the_json_it_prints(tmp_path, capsys):
 
 
 def test_dispatch_knows_every_command_and_refuses_others(capsys):
-    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "all"}
+    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "prompt_cache", "all"}
     assert bench.main(["nonsense"]) == 2
     assert "memory,quantized,soak,all" in capsys.readouterr().err
 

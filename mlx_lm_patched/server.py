@@ -2,8 +2,6 @@
 
 import argparse
 
-from mlx_lm.server import main as upstream_main
-
 from mlx_lm_patched._front import run
 
 
@@ -12,6 +10,7 @@ def checked_main():
     model call: the server batches with --kv-bits, and a value mx.quantize
     cannot take would end its generation thread at the first request."""
     from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.server import main as upstream_main
 
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--kv-bits", type=int)

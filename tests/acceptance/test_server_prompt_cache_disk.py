@@ -1,0 +1,65 @@
+"""``python -m mlx_lm_patched.server --prompt-cache-dir DIR``: a prompt
+served, the server stopped and started again on DIR, the same prompt is
+served from disk (the reply's cached tokens) with the same text; corrupt
+and foreign files in DIR are skipped with a warning naming them, and the
+server still answers.
+
+``--prompt-cache-size 0`` sends every entry to DIR as soon as it is
+inserted (the RAM tier holds none), so DIR is filled by the first request.
+"""
+
+import os
+import time
+
+from harness import LONG, MAX_TOKENS, Server
+
+BODY = {"prompt": LONG, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+def complete(server):
+    status, reply = server.post("/v1/completions", BODY)
+    assert status == 200, reply
+    usage = reply["usage"]
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return reply["choices"][0]["text"], cached, usage["prompt_tokens"]
+
+
+def entries(directory, seconds=60):
+    """The entry files in ``directory`` once one is there (the writer's thread)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+        if found:
+            return found
+        time.sleep(0.1)
+    raise TimeoutError(f"no entry written to {directory} in {seconds} s")
+
+
+def test_prompt_is_served_from_disk_after_a_restart(model_dir, tmp_path):
+    model, cache_dir = model_dir("llama"), tmp_path / "cache"
+    flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-size", 0]
+
+    with Server(model, *flags, log=tmp_path / "first.log") as server:
+        text, cached, prompt_tokens = complete(server)
+        written = entries(cache_dir)
+    with Server(model, *flags, log=tmp_path / "restarted.log") as server:
+        again, cached_again, _ = complete(server)
+
+    assert cached == 0
+    assert cached_again == prompt_tokens - 1  # the last token is always fed
+    assert again == text
+    assert set(written) <= set(os.listdir(cache_dir))
+
+    for name in written:  # truncated
+        with open(cache_dir / name, "r+b") as f:
+            f.truncate(os.path.getsize(cache_dir / name) // 2)
+    (cache_dir / "foreign.safetensors").write_bytes(b"not a prompt cache" * 100)
+    with Server(model, *flags, log=tmp_path / "corrupt.log") as server:
+        answer, cached_corrupt, _ = complete(server)
+        healthy = server.get("/health")["status"]
+        log = server.log()
+
+    assert healthy == "ok" and answer == text and cached_corrupt == 0
+    for name in [*written, "foreign.safetensors"]:
+        assert f"skipping {cache_dir / name}" in log, log
+    assert "Traceback" not in log, log

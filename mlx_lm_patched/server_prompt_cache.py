@@ -12,8 +12,8 @@ running batch holds (``server_kv_bits``'s ``_generate``).
 ``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
 (``prompt_cache_disk``): what memory evicts is written to DIR by a
 background thread, read back where memory has less of a prompt, and found
-again after a restart; ``--prompt-cache-disk-bytes`` (default 16G) bounds
-DIR. Upstream's ``main`` builds its parser inline, so it is here whole, with
+again after a restart (stopped with Ctrl-C, the server writes what memory
+still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. Upstream's ``main`` builds its parser inline, so it is here whole, with
 the two flags added.
 """
 
@@ -53,6 +53,8 @@ def run(
     else:
         response_generator.join()
     if cli_args.prompt_cache_dir is not None:
+        # Stopped (Ctrl-C): what memory holds is written too.
+        prompt_cache.trim_to(n_sequences=0)
         disk.close()
 
 

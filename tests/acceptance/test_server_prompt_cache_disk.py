@@ -5,10 +5,13 @@ and foreign files in DIR are skipped with a warning naming them, and the
 server still answers.
 
 ``--prompt-cache-size 0`` sends every entry to DIR as soon as it is
-inserted (the RAM tier holds none), so DIR is filled by the first request.
+inserted (the RAM tier holds none), so DIR is filled by the first request;
+with the default size, what RAM holds is written when the server is
+stopped with Ctrl-C.
 """
 
 import os
+import signal
 import time
 
 from harness import LONG, MAX_TOKENS, Server
@@ -27,10 +30,12 @@ def complete(server):
 def entries(directory, seconds=60):
     """The entry files in ``directory`` once one is there (the writer's thread)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:
         found = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
         if found:
             return found
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.1)
     raise TimeoutError(f"no entry written to {directory} in {seconds} s")
 
@@ -63,3 +68,21 @@ def test_prompt_is_served_from_disk_after_a_restart(model_dir, tmp_path):
     for name in [*written, "foreign.safetensors"]:
         assert f"skipping {cache_dir / name}" in log, log
     assert "Traceback" not in log, log
+
+
+def test_entries_in_memory_are_written_when_the_server_is_interrupted(
+    model_dir, tmp_path
+):
+    model, cache_dir = model_dir("llama"), tmp_path / "cache"
+    flags = ["--prompt-cache-dir", cache_dir]
+
+    with Server(model, *flags, log=tmp_path / "first.log") as server:
+        text, _, prompt_tokens = complete(server)
+        assert os.listdir(cache_dir) == []  # held in memory
+        os.kill(server.proc.pid, signal.SIGINT)
+        assert server.proc.wait(timeout=60) == 0, server.log()
+    assert entries(cache_dir, seconds=0)
+    with Server(model, *flags, log=tmp_path / "restarted.log") as server:
+        again, cached_again, _ = complete(server)
+
+    assert again == text and cached_again == prompt_tokens - 1

@@ -252,11 +252,13 @@ PATCH = Patch(
     requires=("prompt_cache_store", "prompt_cache_disk"),
     uses={
         "mlx_lm.server": (
+            "APIHandler",
             "DEFAULT_QUANTIZED_KV_START",
             "LRUPromptCache",
             "ModelProvider",
             "Path",
             "ResponseGenerator",
+            "ThreadingHTTPServer",
             "_parse_size",
             "_run_http_server",
             "argparse",

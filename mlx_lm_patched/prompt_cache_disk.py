@@ -48,8 +48,9 @@ class DiskPromptCache:
 
     Each file is a ``.safetensors`` prompt cache named by a hash of its model
     key and tokens; its metadata holds both (model keys compare by ``repr``).
-    ``put`` returns at once: call ``flush`` to wait for the writes, ``close``
-    to end the writer.
+    ``put`` returns once its host copy is taken (host memory holds at most
+    six queued copies): ``flush`` waits for the writes, ``close`` ends the
+    writer.
     """
 
     def __init__(self, directory: str, max_bytes: int = 1 << 63):
@@ -127,7 +128,7 @@ class DiskPromptCache:
 
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written. Its host
-        copy is taken here; writing it waits only when four are queued."""
+        copy is taken here; queueing it waits while four others are queued."""
         if not self._writer.is_alive():
             raise ValueError("DiskPromptCache.put after close()")
         tokens = [int(t) for t in tokens]

@@ -237,7 +237,7 @@ class DiskPromptCache:
             self._writer.join()
 
 
-class DiskLRUPromptCache:
+class DiskLRUPromptCache(LRUPromptCache):
     """An ``LRUPromptCache`` that writes what it evicts to ``disk`` (a
     ``DiskPromptCache``) and reads from it where memory has less."""
 

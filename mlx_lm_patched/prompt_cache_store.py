@@ -12,8 +12,8 @@ Here ``insert_cache`` stores a compact copy (``_copy_cache``): every array
 holds exactly the live tokens, copied and evaluated (a wrapped ring in
 temporal order; ``KVCache`` and ``ChunkedKVCache`` without their padding;
 quantized caches as their packed live tokens; ``CacheList`` and
-``ArraysCache`` layer by layer), so an entry's ``nbytes`` is its live
-tokens' bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
+``ArraysCache`` layer by layer; objects of other classes deep-copied as
+upstream fetches them), so an entry's ``nbytes`` is its live tokens' bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
 the entry's buffers: the working cache's first update allocates (a ring its
 ``max_size`` slots, a ``KVCache`` its next step) and copies the tokens in
 once, so a hit peaks at the entry plus one working cache.
@@ -47,7 +47,10 @@ def _live_state(cache):
 
 def _copy_cache(cache, copy_array):
     """A cache like ``cache`` whose arrays are ``copy_array`` of its live
-    state's (``mx.array`` copies them, ``copy.copy`` shares their buffers)."""
+    state's, evaluated (``mx.array`` copies them, ``copy.copy`` shares their
+    buffers)."""
+    if not isinstance(cache, _BaseCache):  # not a cache of this module
+        return copy.deepcopy(cache)
     new = copy.copy(cache)
     if isinstance(cache, CacheList):
         new.caches = tuple(_copy_cache(c, copy_array) for c in cache.caches)
@@ -56,6 +59,7 @@ def _copy_cache(cache, copy_array):
             lambda x: copy_array(x) if isinstance(x, mx.array) else x,
             _live_state(cache),
         )
+        mx.eval(new.state)
     return new
 
 
@@ -100,7 +104,6 @@ class LRUPromptCache:
     ):
         # Store a copy of the live tokens, not the working buffers
         prompt_cache = [_copy_cache(c, mx.array) for c in prompt_cache]
-        mx.eval([c.state for c in prompt_cache])
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -179,6 +182,7 @@ PATCH = Patch(
             "LRUPromptCache",
             "Optional",
             "RotatingKVCache",
+            "_BaseCache",
             "can_trim_prompt_cache",
             "copy",
             "mx",

@@ -7,7 +7,9 @@ served one at a time (``_serve_single``), grow it past the budget
 (ml-explore/mlx-lm#1390, #1807). Here ``run`` gives the prompt cache
 ``max_bytes``, so every insert evicts down to the budget on every path; the
 batched path also trims after every batch step to the budget less what the
-running batch holds (``server_kv_bits``'s ``_generate``).
+running batch holds (``server_kv_bits``'s ``_generate``). The size the
+server logs before each request is exact (``... 0.00 GB (1638400 B)``):
+GB to two decimals hid every budget under 5 MB.
 
 ``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
 (``prompt_cache_disk``): what memory evicts is written to DIR by a
@@ -21,7 +23,7 @@ from http.server import ThreadingHTTPServer
 
 from mlx_lm.server import APIHandler, ModelProvider
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, Target, class_patch, pasted_into
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
@@ -56,6 +58,22 @@ def run(
         # Stopped (Ctrl-C): what memory holds is written too.
         prompt_cache.trim_to(n_sequences=0)
         disk.close()
+
+
+class ResponseGenerator:
+    def _log_cache_stats(self):
+        n_sequences = len(self.prompt_cache)
+        n_bytes = self.prompt_cache.nbytes
+        logging.info(
+            f"Prompt Cache: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB "
+            f"({n_bytes} B)"
+        )
+        for cache_type, stats in self.prompt_cache.stats_by_type().items():
+            n_sequences = stats["n_sequences"]
+            n_bytes = stats["n_bytes"]
+            logging.info(
+                f"- {cache_type}: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB"
+            )
 
 
 def main():
@@ -248,7 +266,12 @@ PATCH = Patch(
         Target(
             "mlx_lm.server", "main", pasted_into("mlx_lm.server", main), "747b1f39c7f1"
         ),
-    ],
+    ]
+    + class_patch(
+        "mlx_lm.server:ResponseGenerator",
+        ResponseGenerator,
+        {"_log_cache_stats": "a6d82893f10d"},
+    ),
     requires=("prompt_cache_store", "prompt_cache_disk"),
     uses={
         "mlx_lm.server": (

@@ -150,7 +150,7 @@ def test_soak_writes_to_out_the_json_it_prints(tmp_path, capsys):
 def test_dispatch_knows_every_command_and_refuses_others(capsys):
     assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "prompt_cache", "all"}
     assert bench.main(["nonsense"]) == 2
-    assert "memory,quantized,soak,all" in capsys.readouterr().err
+    assert "memory,quantized,soak,prompt_cache,all" in capsys.readouterr().err
 
 
 def test_e2e_tiny_model_runs_every_cache_and_scenario():
@@ -192,3 +192,15 @@ def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
     assert len(out["tokens"]) == 6
     # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16
     assert out["file_bytes"] > 2 * 2 * 2 * 16 * 300 * 2
+
+
+def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
+    from mlx_lm_patched.bench import prompt_cache
+
+    out = prompt_cache.main("--prompts 3 --length 100 --window 64 --decode 4".split())
+    assert list(out)[:5] == HEADER
+    assert out["upstream"]["stored_bytes"] > out["live_bytes"]
+    assert out["patched"]["stored_bytes"] == out["live_bytes"]
+    assert out["patched"]["held_bytes"] == out["live_bytes"]
+    assert out["patched"]["tokens"] == out["upstream"]["tokens"]
+    assert len(out["patched"]["tokens"]) == 4

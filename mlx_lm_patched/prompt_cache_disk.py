@@ -29,7 +29,6 @@ serves it from there.
 """
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -156,7 +155,8 @@ class DiskPromptCache:
         if host.nbytes > self.max_bytes:
             return
         crc = 0
-        for a in host.arrays.values():
+        for k in sorted(host.arrays):
+            a = host.arrays[k]
             crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False), crc)
         host.metadata["0.crc32"] = str(crc)
         path = os.path.join(self.directory, name)
@@ -177,13 +177,15 @@ class DiskPromptCache:
         """The cache in file ``name``, or ``None`` (warned) if it is not sound."""
         path = os.path.join(self.directory, name)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            n = int.from_bytes(data[:8], "little")
-            arrays, metadata = mx.load(
-                io.BytesIO(data), format="safetensors", return_metadata=True
-            )
-            if zlib.crc32(memoryview(data)[8 + n :]) != int(metadata["0.crc32"]):
+            import numpy as np
+
+            arrays, metadata = mx.load(path, return_metadata=True)
+            mx.eval(list(arrays.values()))
+            crc = 0
+            for k in sorted(arrays):  # as bits, as _write saw them
+                bits = getattr(mx, f"uint{8 * arrays[k].dtype.size}")
+                crc = zlib.crc32(np.asarray(arrays[k].view(bits)), crc)
+            if crc != int(metadata["0.crc32"]):
                 raise ValueError("its data does not match its CRC-32")
             return _prompt_cache_from_arrays(arrays, metadata, path)[0]
         except Exception as e:
@@ -273,7 +275,7 @@ PATCH = Patch(
     "bit-exact, bounded, found again after a restart",
     [
         Target("mlx_lm.models.cache", m.__name__, m, None)
-        for m in (hashlib, io, json, logging, os, queue, threading, zlib)
+        for m in (hashlib, json, logging, os, queue, threading, zlib)
     ]
     + [
         Target("mlx_lm.models.cache", "DiskPromptCache", DiskPromptCache, None),

@@ -158,7 +158,7 @@ class DiskPromptCache:
         for k in sorted(host.arrays):
             a = host.arrays[k]
             crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False), crc)
-        host.metadata["0.crc32"] = str(crc)
+        host.metadata["0.crc32"] = str(crc)  # next to put's metadata
         path = os.path.join(self.directory, name)
         temp = f"{path}.{os.getpid()}.tmp"
         try:

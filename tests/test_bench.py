@@ -202,5 +202,6 @@ def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
     assert out["upstream"]["stored_bytes"] > out["live_bytes"]
     assert out["patched"]["stored_bytes"] == out["live_bytes"]
     assert out["patched"]["held_bytes"] == out["live_bytes"]
+    assert out["without_store"]["stored_bytes"] > out["live_bytes"]
     assert out["patched"]["tokens"] == out["upstream"]["tokens"]
     assert len(out["patched"]["tokens"]) == 4

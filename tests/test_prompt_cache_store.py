@@ -194,22 +194,30 @@ def test_greedy_tokens_after_a_fetch_match_upstream(
     assert tokens["patched"] == tokens["upstream"]
 
 
+class Spilling(LRUPromptCache):
+    """Keeps what it evicts, as a disk tier would."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spilled = {}
+
+    def _evict(self):
+        model, tokens, entry = super()._evict()
+        self.spilled[tuple(tokens)] = entry
+        return model, tokens, entry
+
+
 def test_every_eviction_goes_through_evict(patched):
-    evicted = []
-
-    class Spilling(LRUPromptCache):
-        def _evict(self):
-            evicted.append(super()._evict())
-            return evicted[-1]
-
-    lru = Spilling(max_size=2)
-    for i in range(4):
+    entry = H * 3 * (DK + DV) * 4  # one 3-token KVCache, float32
+    lru = Spilling(max_size=3, max_bytes=2 * entry)
+    for i in range(4):  # by bytes on insert
         c = KVCache()
         fed(c, [3])
-        lru.insert_cache("m", [i, i + 10], [c])
-    assert [tokens for _, tokens, _ in evicted] == [[0, 10], [1, 11]]
-    per_entry = evicted[0][2].nbytes
-    lru.trim_to(n_bytes=per_entry)
-    assert [tokens for _, tokens, _ in evicted][2:] == [[2, 12]]
-    assert len(lru) == 1 and lru.nbytes == per_entry
-    assert lru.stats_by_type()["assistant"]["n_bytes"] == per_entry
+        lru.insert_cache("m", [i, i + 10], [c], cache_type=["user", "assistant"][i % 2])
+    assert list(lru.spilled) == [(0, 10), (1, 11)]
+    lru.trim_to(n_sequences=1)  # by count
+    assert list(lru.spilled)[2:] == [(3, 13)]  # assistant entries go first
+    assert [e.nbytes for e in lru.spilled.values()] == [entry] * 3
+    assert len(lru) == 1 and lru.nbytes == entry
+    stats = lru.stats_by_type()
+    assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (entry, 0)

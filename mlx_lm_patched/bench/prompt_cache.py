@@ -3,7 +3,9 @@
 A tiny gemma3_text (4 layers, every other one sliding, ``--window`` tokens)
 prefills ``--prompts`` distinct prompts of ``--length`` tokens, each into a
 fresh ``make_prompt_cache``, and inserts each into an ``LRUPromptCache``.
-Reported per side (upstream: ``mlx_lm_patched.revert()``, then patched):
+Reported per side (upstream: ``mlx_lm_patched.revert()``, patched, and
+without_store: patched but ``prompt_cache_store`` reverted, the entries of
+preallocated caches stored as they are):
 
   stored_bytes   the prompt cache's ``nbytes`` after the inserts
   held_bytes     active memory the entries hold once the working caches are gone
@@ -112,6 +114,10 @@ def main(argv=None):
     for name, switch in (
         ("upstream", mlx_lm_patched.revert),
         ("patched", mlx_lm_patched.apply),
+        (
+            "without_store",
+            lambda: mlx_lm_patched.revert("prompt_cache_store", "server_prompt_cache"),
+        ),
     ):
         switch()
         result[name] = run_side(model, prompts, args.decode)

@@ -225,7 +225,8 @@ class DiskPromptCache:
                 os.utime(os.path.join(self.directory, name))
             except OSError:
                 pass
-            trim_prompt_cache(cache, len(stored) - n)
+            if len(stored) > n:
+                trim_prompt_cache(cache, len(stored) - n)
             return cache, tokens[n:]
 
     def flush(self):

@@ -7,23 +7,34 @@ import mlx.core as mx
 import pytest
 
 
-@pytest.mark.parametrize("side", ["patched", "upstream"])
-def test_run_gives_the_prompt_cache_its_byte_budget(request, monkeypatch, side):
-    request.getfixturevalue(side)
+def run_prompt_cache(monkeypatch, **cli_args):
+    """The prompt cache ``server.run`` builds for ``cli_args``, its server
+    and generation thread stopped."""
     from mlx_lm import server
 
     started = []
     monkeypatch.setattr(server, "_run_http_server", lambda *a: started.append(a[2]))
-    cli_args = SimpleNamespace(
-        prompt_cache_size=7, prompt_cache_bytes=12345, prompt_cache_dir=None
-    )
     provider = SimpleNamespace(
-        cli_args=cli_args, load_default=lambda: None, reset=lambda: None
+        cli_args=SimpleNamespace(**cli_args),
+        load_default=lambda: None,
+        reset=lambda: None,
     )
     server.run("127.0.0.1", 0, provider)
     (generator,) = started
     prompt_cache = generator.prompt_cache
     generator.stop_and_join()
+    return prompt_cache
+
+
+@pytest.mark.parametrize("side", ["patched", "upstream"])
+def test_run_gives_the_prompt_cache_its_byte_budget(request, monkeypatch, side):
+    request.getfixturevalue(side)
+    prompt_cache = run_prompt_cache(
+        monkeypatch,
+        prompt_cache_size=7,
+        prompt_cache_bytes=12345,
+        prompt_cache_dir=None,
+    )
     assert prompt_cache.max_size == 7
     assert (prompt_cache.max_bytes == 12345) == (side == "patched")
 
@@ -46,32 +57,21 @@ def test_logged_prompt_cache_size_is_exact(patched, caplog):
 def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
     patched, monkeypatch, tmp_path
 ):
-    from mlx_lm import server
     from mlx_lm.models.cache import DiskLRUPromptCache
 
-    started = []
-    monkeypatch.setattr(server, "_run_http_server", lambda *a: started.append(a[2]))
     directory = str(tmp_path / "prompts")
-    cli_args = SimpleNamespace(
+    prompt_cache = run_prompt_cache(
+        monkeypatch,
         prompt_cache_size=7,
         prompt_cache_bytes=None,
         prompt_cache_dir=directory,
         prompt_cache_disk_bytes=999,
     )
-    provider = SimpleNamespace(
-        cli_args=cli_args, load_default=lambda: None, reset=lambda: None
-    )
-    server.run("127.0.0.1", 0, provider)
-    (generator,) = started
-    prompt_cache = generator.prompt_cache
-    generator.stop_and_join()
     assert isinstance(prompt_cache, DiskLRUPromptCache)
     assert prompt_cache.max_size == 7
-    assert (prompt_cache.disk.directory, prompt_cache.disk.max_bytes) == (
-        directory,
-        999,
-    )
-    assert not prompt_cache.disk._writer.is_alive()  # closed when run returned
+    disk = prompt_cache.disk
+    assert (disk.directory, disk.max_bytes) == (directory, 999)
+    assert not disk._writer.is_alive()  # closed when run returned
 
 
 @pytest.mark.parametrize("side", ["patched", "upstream"])

@@ -7,13 +7,15 @@ server still answers.
 ``--prompt-cache-size 0`` sends every entry to DIR as soon as it is
 inserted (the RAM tier holds none), so DIR is filled by the first request;
 with the default size, what RAM holds is written when the server is
-stopped with Ctrl-C.
+stopped with Ctrl-C. With bfloat16 weights and with 8-bit caches, a hit from
+disk after a restart answers as a hit from memory did before it.
 """
 
 import os
 import signal
 import time
 
+import pytest
 from harness import LONG, MAX_TOKENS, Server
 
 BODY = {"prompt": LONG, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -98,3 +100,29 @@ def test_entries_in_memory_are_written_when_the_server_is_interrupted(
         again, cached_again, _ = complete(server)
 
     assert again == text and cached_again == prompt_tokens - 1
+
+
+# name: (model overrides, server flags): the caches the seeds' SSD tiers broke on.
+KINDS = {
+    "bfloat16": ({"dtype": "bfloat16"}, []),
+    "kv8": ({}, ["--kv-bits", 8, "--quantized-kv-start", 0]),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_disk_hit_after_a_restart_answers_as_a_memory_hit(
+    kind, make_tiny_dir, tmp_path
+):
+    overrides, kv_flags = KINDS[kind]
+    model, cache_dir = make_tiny_dir("llama", **overrides), tmp_path / "cache"
+    flags = ["--prompt-cache-dir", cache_dir, *kv_flags]
+
+    with Server(model, *flags, log=tmp_path / "first.log") as server:
+        complete(server)
+        from_memory, cached, _ = complete(server)
+        interrupt(server)
+    with Server(model, *flags, log=tmp_path / "restarted.log") as server:
+        from_disk, cached_disk, _ = complete(server)
+
+    assert cached > 0 and cached_disk == cached
+    assert from_disk == from_memory

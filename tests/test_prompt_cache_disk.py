@@ -241,3 +241,22 @@ def test_evicted_entries_are_read_back_where_upstream_has_none(load_tiny, tmp_pa
     mlx_lm_patched.revert()
     upstream = fetch_after_eviction(LRUPromptCache(max_size=1))
     assert upstream.fetch_nearest_cache(MODEL, first + EXTRA) == (None, first + EXTRA)
+
+
+def test_a_failed_write_is_warned_and_the_tier_goes_on(load_tiny, tmp_path, caplog):
+    import shutil
+
+    model, _ = load_tiny("llama")
+    tier = disk(tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone")  # every write now fails
+    caplog.set_level(logging.WARNING)
+    tier.put(MODEL, PROMPT, prefilled(model, PROMPT))
+    tier.flush()
+    assert "could not write" in caplog.text and len(tier) == 0
+
+    os.makedirs(tmp_path / "gone")
+    tier.put(MODEL, PROMPT, prefilled(model, PROMPT))
+    tier.close()
+    assert tier.get(MODEL, PROMPT + EXTRA)[1] == EXTRA
+    (written,) = files(tmp_path / "gone")  # no temporary file left behind
+    assert written.endswith(".safetensors")

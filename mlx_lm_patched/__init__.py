@@ -20,6 +20,7 @@ from . import (
     host_export,
     max_kv_size,
     negative_trim,
+    prompt_cache_disk,
     prompt_cache_files,
     prompt_cache_store,
     quantized_attention,
@@ -61,6 +62,7 @@ PATCHES: List[_registry.Patch] = [
     ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
     speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
+    prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
     server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
 ]
 _registry.check_disjoint(PATCHES)

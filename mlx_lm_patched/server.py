@@ -8,8 +8,6 @@ cache (see ``rotating_prealloc``), where upstream prefills it all again.
 
 import argparse
 
-from mlx_lm.server import main as upstream_main
-
 from mlx_lm_patched._front import run
 
 # A chat template's re-rendered tail (an end-of-turn marker, a stripped
@@ -22,6 +20,7 @@ def checked_main():
     model call: the server batches with --kv-bits, and a value mx.quantize
     cannot take would end its generation thread at the first request."""
     from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.server import main as upstream_main
 
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--kv-bits", type=int)

@@ -180,6 +180,20 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
     assert out["batch"]["max_kv_size=None"]["tokens_match_upstream"]
 
 
+def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
+    from mlx_lm_patched.bench import disk
+
+    argv = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16"
+    argv += " --intermediate 128 --prefix 300 --question 5 --decode 6 --device cpu"
+    out = disk.main(argv.split() + ["--out", str(tmp_path / "disk.json")])
+    assert json.loads((tmp_path / "disk.json").read_text()) == out
+    assert list(out)[:5] == HEADER and "prompt_cache_disk" in out["patches"]
+    assert out["tokens_left_to_prefill"] == 5 and out["same_tokens"]
+    assert len(out["tokens"]) == 6
+    # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16
+    assert out["file_bytes"] > 2 * 2 * 2 * 16 * 300 * 2
+
+
 def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
     from mlx_lm_patched.bench import prompt_cache
 

@@ -20,12 +20,17 @@ from . import (
     host_export,
     max_kv_size,
     negative_trim,
+    prompt_cache_disk,
     prompt_cache_files,
+    prompt_cache_store,
     quantized_attention,
     quantized_cache,
     quantized_ring,
+    ring_trim_slack,
     rotating_prealloc,
     server_kv_bits,
+    server_prompt_cache,
+    speculative_bounded,
 )
 from ._registry import (
     UPSTREAM_VERSION,
@@ -54,6 +59,11 @@ PATCHES: List[_registry.Patch] = [
     batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
     batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
+    ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
+    speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
+    prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
+    prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
+    server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
 ]
 _registry.check_disjoint(PATCHES)
 

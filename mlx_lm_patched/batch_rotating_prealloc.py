@@ -22,6 +22,12 @@ token), a loaded cache can be updated (upstream: ``AttributeError:
 _lengths``), ``extract`` returns a row that owns its memory and works on an
 empty cache, and ``trim`` rejects negative counts and never makes a row's
 offset negative.
+
+Rows keep their ``slack`` (``RotatingKVCache(slack=n)``): the batch keeps an
+undo ring over its columns while it decodes, and ``extract`` hands each row
+its evicted tokens, so a row taken out after a wrap can be trimmed back
+(a server's prompt cache reuses it). ``extend`` and right padding reset the
+undo ring; it fills again over the next decode steps.
 """
 
 from typing import List, Optional
@@ -71,6 +77,15 @@ class BatchRotatingKVCache:
         # Lengths for right_padded inputs to make sure that padding tokens do
         # not evict valid tokens.
         self._lengths = None
+        self._reset_undo(0)
+
+    def _reset_undo(self, slack):
+        """Column ``t`` is position ``keep + t`` of ``RotatingKVCache``'s undo
+        ring (``_hold``): rows extracted with their evicted tokens can trim
+        back ``slack`` after a wrap. Whatever changes the columns resets it."""
+        self.slack = slack
+        self._undo_keys = self._undo_values = None
+        self._lo = self._hi = 0
 
     def _order(self):
         """Slots of the live columns, oldest first."""
@@ -172,7 +187,12 @@ class BatchRotatingKVCache:
             kept = self._roll_right_padding(kept)
         self._rewrite([c[..., -window:, :] for c in kept])
         self.left_padding -= n + S - window
-        return tuple(seen)
+        if self._lengths is not None:
+            self._reset_undo(self.slack)
+            return _hold(self, tuple(seen), self._offset + self.keep)
+        first = self._offset - S - m + self.keep
+        source = (*seen, first, lambda p: p - first + self.keep)
+        return _hold(self, tuple(seen), self._offset + self.keep, source)
 
     def update_and_fetch(self, keys, values):
         S = keys.shape[2]
@@ -194,7 +214,7 @@ class BatchRotatingKVCache:
             self._offset += S
             self.offset = self.offset + S
             self._idx += S
-            return self.keys_and_values()
+            return _hold(self, self.keys_and_values(), self._offset + self.keep)
         if S > 1:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
@@ -206,7 +226,7 @@ class BatchRotatingKVCache:
         self._offset += 1
         self.offset = self.offset + 1
         self._idx += 1
-        return self.keys, self.values
+        return _hold(self, (self.keys, self.values), self._offset + self.keep)
 
     def keys_and_values(self):
         if self._offset < self.max_size - self.keep:
@@ -236,6 +256,7 @@ class BatchRotatingKVCache:
                 live = self._roll_right_padding(live)
                 mx.eval(live)
                 self._rewrite(live)
+                self._reset_undo(self.slack)
             self._lengths = None
             self._fewest = min(self.offset.tolist(), default=0)
 
@@ -276,6 +297,7 @@ class BatchRotatingKVCache:
         )
         self._lengths = None
         self._fewest = min(self.offset.tolist(), default=0)
+        self._reset_undo(0)
         if self.keys is not None and self.keys.shape[2] > self.max_size:
             # Upstream's ring right after a multi-token update, in temporal
             # order: keep its newest max_size columns before any mask is made.
@@ -333,6 +355,7 @@ class BatchRotatingKVCache:
         n = min(self._offset, n)
         self._offset -= n
         self._idx = self.keep + self._offset
+        self._reset_undo(self.slack)
         self.offset = mx.maximum(self.offset - n, 0)
         self._fewest = max(self._fewest - n, 0)
         self.left_padding = mx.minimum(self.left_padding, self._offset)
@@ -385,6 +408,9 @@ class BatchRotatingKVCache:
         if self.keys is not None:
             self.keys = self.keys[batch_indices]
             self.values = self.values[batch_indices]
+        if self._undo_keys is not None:
+            self._undo_keys = self._undo_keys[batch_indices]
+            self._undo_values = self._undo_values[batch_indices]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
 
@@ -431,6 +457,7 @@ class BatchRotatingKVCache:
         self._offset = max(c._offset for c in caches)
         self._idx = self.keep + n
         self.rotated = False
+        self._reset_undo(max(c.slack for c in caches))
 
     def extract(self, idx):
         B = self.offset.shape[0]
@@ -438,7 +465,7 @@ class BatchRotatingKVCache:
             raise IndexError(
                 f"BatchRotatingKVCache.extract: row {idx} out of range for {B} rows"
             )
-        cache = RotatingKVCache(self.max_size, self.keep)
+        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
         mx.eval(self.left_padding, self.offset)
         cache.offset = self.offset.tolist()[idx]
         if self.keys is None:
@@ -451,6 +478,22 @@ class BatchRotatingKVCache:
         cache.keys = self.keys[idx : idx + 1, :, slots]
         cache.values = self.values[idx : idx + 1, :, slots]
         cache._idx = slots.size
+        if self._undo_keys is not None:
+            # Row position ``p`` is column ``p + first``.
+            first = self._offset - cache.offset
+            lo, hi = (
+                max(self._lo - self.keep - first, self.keep),
+                self._hi - self.keep - first,
+            )
+            U = 2 * self.slack
+            held = mx.array([(p + first + self.keep) % U for p in range(lo, hi)])
+            slots = mx.array([p % U for p in range(lo, hi)])
+            for name in ("_undo_keys", "_undo_values") if lo < hi else ():
+                undo = getattr(self, name)[idx : idx + 1]
+                row = mx.zeros_like(undo)
+                row[..., slots, :] = undo[..., held, :]
+                setattr(cache, name, row)
+            cache._lo, cache._hi = (lo, hi) if lo < hi else (0, 0)
         return cache
 
     @classmethod
@@ -470,8 +513,10 @@ class BatchRotatingKVCache:
         # Each row keeps its sinks and its newest ``R`` tokens as columns.
         columns = [min(c.offset, max_size - keep) for c in caches]
         n = max(columns)
+        cache = cls(max_size, [0] * len(caches), keep)
+        cache._reset_undo(max(c.slack for c in caches))
         if n == 0:
-            return cls(max_size, [0] * len(caches), keep)
+            return cache
         _, H, _, Dk = full[0].keys.shape
         Dv = full[0].values.shape[3]
         shape = (len(caches), H, max_size)
@@ -485,7 +530,7 @@ class BatchRotatingKVCache:
                 values = _put(values, v[..., :s, :], [i, 0], (0, 2))
                 keys = _put(keys, k[..., -l:, :], [i, keep + n - l], (0, 2))
                 values = _put(values, v[..., -l:, :], [i, keep + n - l], (0, 2))
-        cache = cls(max_size, [n - c.offset for c in caches], keep)
+        cache.left_padding = mx.array([n - c.offset for c in caches])
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset for c in caches])
         cache._fewest = min(c.offset for c in caches)
@@ -502,6 +547,7 @@ PATCH = Patch(
         BatchRotatingKVCache,
         {
             "__init__": "20ae6efbecba",
+            "_reset_undo": None,
             "_order": None,
             "_allocate": None,
             "_update_sinks": None,

@@ -137,7 +137,8 @@ class QuantizedRotatingKVCache:
 
     @state.setter
     def state(self, v):
-        keys, values, self.offset, self.keep, self.max_size, self._idx = v[:6]
+        RotatingKVCache.state.fset(self, v[:6])
+        keys, values = v[:2]
         self.group_size, self.bits, self.dtype, head_dims = v[6:]
         self.keys = None if keys is None else tuple(keys)
         self.values = None if values is None else tuple(values)

@@ -17,9 +17,22 @@ chunk's graph is in flight at once (6.4 GiB), as ``KVCache``'s chunks are
 
 Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
 from the later queries of a chunk, and rolls the single-token mask as if
-``keep=0``), negative trims and trims of a wrapped ring raise instead of
-corrupting ``_idx`` (ml-explore/mlx-lm#1776, #1868), updates whose shape does
-not match the ring raise before anything changes.
+``keep=0``), negative trims raise instead of corrupting ``_idx``
+(ml-explore/mlx-lm#1776, #1868), updates whose shape does not match the ring
+raise before anything changes.
+
+A wrapped ring can step back: ``RotatingKVCache(max_size, keep, slack=n)``
+keeps an undo ring of ``2 * n`` slots holding the newest tokens the window
+evicted, copied ``n`` at a time just before they are evicted (one gather and
+scatter every ``n`` decode steps, which attention depends on, so the ring is
+still written in place), and ``trim(k)`` puts back up to ``n`` of them
+exactly; ``trimmable_tokens()`` says how many. Beyond that, trims of a
+wrapped ring raise and change nothing. The class attribute
+``RotatingKVCache.slack`` (0) is the default of rings a model makes itself;
+with ``slack`` the state carries five more items (the undo ring, slack and
+the positions it holds). Upstream cannot trim a wrapped ring at all, so
+prefix reuse on sliding-window models and speculative decoding with a
+bounded cache fail (ml-explore/mlx-lm#980).
 """
 
 from typing import Optional
@@ -71,6 +84,46 @@ def _put(buffer, update, start, axes=(2,)):
     return buffer
 
 
+def _ring_slot(cache, p, offset):
+    """The ring slot of position ``p``, ``offset`` tokens in: ``[keep,
+    max_size)``, the oldest in the window at ``_idx``."""
+    ring = cache.max_size - cache.keep
+    return cache.keep + (cache._idx - cache.keep + p - offset) % ring
+
+
+def _hold(cache, fetched, offset, source=None):
+    """Return ``fetched``; if the next update evicts (``offset`` tokens in),
+    first copy into ``cache``'s undo ring the next ``slack`` tokens to leave
+    the window and the evicted ones not held yet, from ``source``: ``(keys,
+    values, first, index)``, positions from ``first`` at ``index(p)``; by
+    default the ring. ``fetched`` depends on the copy, so attention does it
+    before the next update writes the ring in place."""
+    oldest = offset - cache.max_size + cache.keep
+    if cache.slack == 0 or oldest < cache.keep or cache._hi > oldest:
+        return fetched
+
+    def slot(p):
+        return _ring_slot(cache, p, offset)
+
+    keys, values, first, index = source or (cache.keys, cache.values, oldest, slot)
+    U = 2 * cache.slack
+    if cache._undo_keys is None or cache._undo_keys.shape[:3] != (*keys.shape[:2], U):
+        B, H, _, Dk = keys.shape
+        cache._undo_keys = mx.zeros((B, H, U, Dk), keys.dtype)
+        cache._undo_values = mx.zeros((B, H, U, values.shape[3]), values.dtype)
+        cache._lo = cache._hi = 0
+    start = max(cache._hi, first, oldest - cache.slack)
+    if start > cache._hi:
+        cache._lo = start
+    cache._hi = min(oldest + cache.slack, offset)
+    cache._lo = max(cache._lo, cache._hi - U)
+    held = mx.array([p % U for p in range(start, cache._hi)])
+    src = mx.array([index(p) for p in range(start, cache._hi)])
+    cache._undo_keys[..., held, :] = keys[..., src, :]
+    cache._undo_values[..., held, :] = values[..., src, :]
+    return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
+
+
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
 # there (``class_patch`` pastes it).
 class RotatingKVCache:
@@ -80,18 +133,38 @@ class RotatingKVCache:
     #   positions, slots ``[keep, max_size)`` the last ``max_size - keep`` in
     #   rotated order, the oldest at ``_idx`` (at ``keep`` when ``_idx == max_size``).
     # This is upstream's layout after its trims, so decode sees the same arrays.
+    # With ``slack > 0`` an undo ring of ``2 * slack`` slots holds positions
+    # ``[_lo, _hi)`` past the first ``keep`` (position ``p`` in slot
+    # ``p % (2 * slack)``): the newest evicted tokens and, copied ahead before
+    # they are evicted, the oldest in the window, so ``trim`` can put back
+    # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
-    def __init__(self, max_size, keep=0):
+    # What rings made without a ``slack`` argument get (a model's
+    # ``make_cache``), at most their window: a server sets it to reuse
+    # prompts whose end is re-rendered.
+    slack = 0
+
+    def __init__(self, max_size, keep=0, slack=None):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         # The newest token needs a slot of its own: a ring no larger than
         # ``keep`` keeps ``max_size - 1`` first tokens.
         self.keep = min(keep, max_size - 1)
+        if slack is None:
+            slack = min(type(self).slack, max_size - self.keep)
+        if not 0 <= slack <= max_size - self.keep:
+            raise ValueError(
+                f"RotatingKVCache: slack must be in [0, {max_size - self.keep}] "
+                f"(max_size - keep), got {slack}"
+            )
         self.keys = None
         self.values = None
         self.offset = 0
         self.max_size = max_size
         self._idx = 0
+        self.slack = slack
+        self._undo_keys = self._undo_values = None
+        self._lo = self._hi = 0
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
@@ -135,7 +208,9 @@ class RotatingKVCache:
         self.keys, self.values = seen[0][..., slots, :], seen[1][..., slots, :]
         self.offset += keys.shape[2]
         self._idx = self.max_size
-        return tuple(seen)
+        first = self.offset - keys.shape[2] - m + keep
+        source = (*seen, first, lambda p: p - first + keep)
+        return _hold(self, tuple(seen), self.offset, source)
 
     def update_and_fetch(self, keys, values):
         _check_update(self, keys, values)
@@ -148,7 +223,7 @@ class RotatingKVCache:
             self.values = _put(self.values, values, [prev])
             self.offset += S
             self._idx = self.offset
-            return self.keys_and_values()
+            return _hold(self, self.keys_and_values(), self.offset)
         if S > 1:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
@@ -157,7 +232,7 @@ class RotatingKVCache:
         self.values[..., self._idx : self._idx + 1, :] = values
         self.offset += 1
         self._idx += 1
-        return self.keys, self.values
+        return _hold(self, (self.keys, self.values), self.offset)
 
     @property
     def state(self):
@@ -165,17 +240,23 @@ class RotatingKVCache:
             k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
         else:
             k, v = self.keys, self.values
-        return k, v, self.offset, self.keep, self.max_size, self._idx
+        state = k, v, self.offset, self.keep, self.max_size, self._idx
+        if self.slack:
+            undo = self._undo_keys, self._undo_values
+            state += (*undo, self.slack, self._lo, self._hi)
+        return state
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v
+        self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v[:6]
+        undo = v[6:] or (None, None, 0, 0, 0)
+        self._undo_keys, self._undo_values, self.slack, self._lo, self._hi = undo
 
     @staticmethod
     def _check_state(v):
-        if len(v) != 6:
-            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6")
-        keys, values, offset, keep, max_size, _idx = v
+        if len(v) not in (6, 11):
+            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6 or 11")
+        keys, values, offset, keep, max_size, _idx = v[:6]
         n = _stored(keys, values)
         if max_size < 1 or not 0 <= keep < max_size:
             raise ValueError(
@@ -194,20 +275,69 @@ class RotatingKVCache:
             raise ValueError(
                 f"_idx {_idx} does not fit offset {offset} and keep {keep}"
             )
+        if len(v) == 11:
+            undo_keys, undo_values, slack, lo, hi = v[6:]
+            held = _stored(undo_keys, undo_values)
+            if not 0 < slack <= max_size - keep or held not in (0, 2 * slack):
+                raise ValueError(
+                    f"slack {slack} with {held} undo slots: need 0 < slack <= "
+                    f"max_size - keep and 0 or 2 * slack slots"
+                )
+            if not (held and keep <= lo <= hi <= lo + held) and lo | hi:
+                raise ValueError(f"undo positions [{lo}, {hi}) do not fit its slots")
+
+    def trimmable_tokens(self):
+        """How many tokens ``trim`` can take off exactly: all of them until
+        the ring wraps, then as many as the undo ring holds evicted."""
+        oldest = self.offset - self.max_size + self.keep
+        if oldest <= self.keep:
+            return self.offset
+        if not self._lo <= oldest <= self._hi:
+            return 0
+        return self.offset if self._lo == self.keep else oldest - self._lo
 
     def trim(self, n):
         name = type(self).__name__
         if n < 0:
             raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
-        if n and self.offset > self.max_size:
+        if self.offset <= self.max_size:
+            n = min(self.offset, n)
+            self.offset -= n
+            self._idx = self.offset
+            self._hi = min(self._hi, self.offset)
+            return n
+        if n > self.trimmable_tokens():
             raise ValueError(
                 f"{name}.trim: the ring has wrapped (offset {self.offset} > "
-                f"max_size {self.max_size}), its oldest tokens are gone; "
-                "check is_trimmable() first"
+                f"max_size {self.max_size}) and can put back "
+                f"{self.trimmable_tokens()} evicted tokens (slack {self.slack}), "
+                f"not {n}; check trimmable_tokens() first"
             )
-        n = min(self.offset, n)
+        # Put the evicted tokens back in the slots of the newest ``n``.
+        oldest = self.offset - self.max_size + self.keep
+        back = range(max(oldest - n, self.keep), min(oldest, self.offset - n))
+        if len(back):
+            slots = mx.array([_ring_slot(self, p, self.offset) for p in back])
+            held = mx.array([p % (2 * self.slack) for p in back])
+            self.keys[..., slots, :] = self._undo_keys[..., held, :]
+            self.values[..., slots, :] = self._undo_values[..., held, :]
+        ring = self.max_size - self.keep
+        if self.offset - n <= self.max_size:
+            # Unwrapped again: slot ``s`` holds position ``s``.
+            order = [
+                *range(self.keep),
+                *(
+                    _ring_slot(self, p, self.offset)
+                    for p in range(self.keep, self.max_size)
+                ),
+            ]
+            self.keys = self.keys[..., mx.array(order), :]
+            self.values = self.values[..., mx.array(order), :]
+            self._idx = self.offset - n
+        else:
+            self._idx = self.keep + (self._idx - self.keep - n - 1) % ring + 1
         self.offset -= n
-        self._idx = self.offset
+        self._hi = min(self._hi, self.offset)
         return n
 
     def make_mask(
@@ -237,6 +367,13 @@ class RotatingKVCache:
             distance = (idx - slots) % ring
         return (slots < self.keep) | (distance < window - self.keep)
 
+    @property
+    def nbytes(self):
+        if self.keys is None:
+            return 0
+        undo = (self._undo_keys, self._undo_values) if self.slack else ()
+        return sum(x.nbytes for x in (self.keys, self.values, *undo) if x is not None)
+
 
 PATCH = Patch(
     "rotating_prealloc",
@@ -247,20 +384,25 @@ PATCH = Patch(
             ("_check_update", _check_update),
             ("_stored", _stored),
             ("_put", _put),
+            ("_ring_slot", _ring_slot),
+            ("_hold", _hold),
         )
     ]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
         {
+            "slack": None,
             "__init__": "e0dcbbd9ab98",
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "state": "58270b869508",
             "_check_state": None,
+            "trimmable_tokens": None,
             "trim": "798fee465b19",
             "make_mask": "aae2a6dcb644",
+            "nbytes": "14b373f5e3ab",
         },
         removes={
             "_trim": "b810aeeb118b",

@@ -1,10 +1,18 @@
-"""Drop-in for ``mlx_lm.server``: same flags and output, patched caches."""
+"""Drop-in for ``mlx_lm.server``: same flags and output, patched caches.
+
+Its rotating caches (sliding-window layers, ``--max-kv-size``) step back
+``SLACK`` tokens exactly after a wrap: a chat whose client re-renders the
+end of the previous answer differently still reuses the previous turn's
+cache (see ``rotating_prealloc``), where upstream prefills it all again.
+"""
 
 import argparse
 
-from mlx_lm.server import main as upstream_main
-
 from mlx_lm_patched._front import run
+
+# A chat template's re-rendered tail (an end-of-turn marker, a stripped
+# space, a changed last word) is a few tokens.
+SLACK = 8
 
 
 def checked_main():
@@ -12,6 +20,7 @@ def checked_main():
     model call: the server batches with --kv-bits, and a value mx.quantize
     cannot take would end its generation thread at the first request."""
     from mlx_lm.generate import maybe_quantize_kv_cache
+    from mlx_lm.server import main as upstream_main
 
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("--kv-bits", type=int)
@@ -23,6 +32,9 @@ def checked_main():
     else:
         # With no caches to quantize, only the check runs.
         maybe_quantize_kv_cache([], 0, args.kv_group_size, args.kv_bits)
+    from mlx_lm.models.cache import RotatingKVCache
+
+    RotatingKVCache.slack = SLACK
     upstream_main()
 
 

@@ -5,6 +5,11 @@ given (``_is_batchable``), because ``BatchGenerator`` had no ``kv_bits``.
 With ``batch_generator_kv_bits`` it has: requests are batched as without
 ``--kv-bits``, and ``_generate`` hands the server's ``--kv-bits``,
 ``--kv-group-size`` and ``--quantized-kv-start`` to its ``BatchGenerator``.
+
+``_generate`` also holds the prompt cache and the running batch within
+``--prompt-cache-bytes`` after every batch step (upstream does only when a
+request joins the batch, so the caches a step inserts and the batch's growth
+went past it; ml-explore/mlx-lm#1390, #1807).
 """
 
 from ._registry import Patch, class_patch
@@ -38,6 +43,13 @@ class ResponseGenerator:
                 return unprocessed_requests.pop()
             else:
                 return self._next_request(timeout)
+
+        def hold_prompt_cache_bytes():
+            # The prompt cache and the running batch within --prompt-cache-bytes
+            if self.model_provider.cli_args.prompt_cache_bytes is not None:
+                total = self.model_provider.cli_args.prompt_cache_bytes
+                active = batch_generator.prompt_cache_nbytes
+                self.prompt_cache.trim_to(n_bytes=total - active)
 
         if self._is_distributed:
             seed = mx.distributed.all_sum(mx.random.state[0]).view(mx.uint64).item()
@@ -126,10 +138,7 @@ class ResponseGenerator:
                     # just making sure we don't leave a reference around
                     del cache
 
-                    if self.model_provider.cli_args.prompt_cache_bytes is not None:
-                        total = self.model_provider.cli_args.prompt_cache_bytes
-                        active = batch_generator.prompt_cache_nbytes
-                        self.prompt_cache.trim_to(n_bytes=total - active)
+                    hold_prompt_cache_bytes()
                     continue
 
                 # No batch generator. Load the model and if it's not
@@ -256,6 +265,8 @@ class ResponseGenerator:
 
                         if result["ctx"]._should_stop:
                             uids_to_remove.append(r.uid)
+
+                    hold_prompt_cache_bytes()
 
                 uids_to_remove = self._share_object(uids_to_remove)
                 if uids_to_remove:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import (
     BatchRotatingKVCache,
+    RotatingKVCache,
     load_prompt_cache,
     make_prompt_cache,
     save_prompt_cache,
@@ -330,3 +331,53 @@ def test_updates_write_sinks_only_while_a_row_lacks_keep_tokens(monkeypatch):
     assert rows.check_prefill([6, 4], [10, 3])  # finalize: 3 real tokens
     assert all(rows.check(S) for S in (1, 1, 1))
     assert calls == [6, 4, 1]
+
+
+def holds(cache, tokens):
+    """Whether ``cache``'s ring (keys are token ids) holds what a ring fed
+    ``tokens`` holds, in temporal order from ``_idx``."""
+    ring = cache.keys[0, 0, :, 0].astype(mx.int32).tolist()
+    if cache.offset <= cache.max_size:
+        return ring[: cache.offset] == tokens
+    keep, window = cache.keep, cache.max_size - cache.keep
+    idx = keep if cache._idx == cache.max_size else cache._idx
+    return (
+        ring[:keep] == tokens[:keep] and ring[idx:] + ring[keep:idx] == tokens[-window:]
+    )
+
+
+def test_rows_extracted_after_a_wrap_trim_back_their_slack_exactly():
+    rng, trims = random.Random(1), 0
+    for _ in range(100):
+        max_size = rng.randint(6, 16)
+        keep = min(rng.choice([0, 2, 4]), max_size - 1)
+        slack = rng.randint(1, max_size - keep)
+        rows, nxt, caches = rng.randint(1, 3), 1, []
+        for _ in range(rows):
+            n = rng.randint(1, 2 * max_size)
+            caches.append(
+                (list(range(nxt, nxt + n)), RotatingKVCache(max_size, keep, slack))
+            )
+            caches[-1][1].update_and_fetch(
+                *[mx.array(caches[-1][0], mx.float32).reshape(1, 1, n, 1)] * 2
+            )
+            nxt += n
+        batch = BatchRotatingKVCache.merge([c for _, c in caches])
+        steps = rng.randint(2 * slack, 3 * max_size)
+        for _ in range(steps):
+            new = list(range(nxt, nxt + rows))
+            nxt += rows
+            batch.update_and_fetch(
+                *[mx.array(new, mx.float32).reshape(rows, 1, 1, 1)] * 2
+            )
+            for (tokens, _), t in zip(caches, new):
+                tokens.append(t)
+        for r, (tokens, _) in enumerate(caches):
+            row = batch.extract(r)
+            assert holds(row, tokens)
+            if row.offset > max_size:
+                assert row.trimmable_tokens() >= slack
+                trims += 1
+            n = min(slack, row.offset)
+            assert row.trim(n) == n and holds(row, tokens[: len(tokens) - n])
+    assert trims > 50

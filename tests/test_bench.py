@@ -148,9 +148,9 @@ def test_soak_writes_to_out_the_json_it_prints(tmp_path, capsys):
 
 
 def test_dispatch_knows_every_command_and_refuses_others(capsys):
-    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "all"}
+    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "prompt_cache", "all"}
     assert bench.main(["nonsense"]) == 2
-    assert "memory,quantized,soak,all" in capsys.readouterr().err
+    assert "memory,quantized,soak,prompt_cache,all" in capsys.readouterr().err
 
 
 def test_e2e_tiny_model_runs_every_cache_and_scenario():
@@ -179,3 +179,41 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
         assert r["patched"]["generated"] == r["upstream"]["generated"] == 2 * 3
     assert out["batch"]["max_kv_size=None"]["tokens_match_upstream"]
     assert all(isinstance(v, bool) for v in out["batch"]["targets"].values())
+
+
+def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
+    from mlx_lm_patched.bench import disk
+
+    argv = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16"
+    argv += " --intermediate 128 --prefix 300 --question 5 --decode 6 --device cpu"
+    out = disk.main(argv.split() + ["--out", str(tmp_path / "disk.json")])
+    assert json.loads((tmp_path / "disk.json").read_text()) == out
+    assert list(out)[:5] == HEADER and "prompt_cache_disk" in out["patches"]
+    assert out["tokens_left_to_prefill"] == 5 and out["same_tokens"]
+    assert len(out["tokens"]) == 6
+    # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16
+    assert out["file_bytes"] > 2 * 2 * 2 * 16 * 300 * 2
+
+
+def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
+    from mlx_lm_patched.bench import prompt_cache
+
+    out = prompt_cache.main("--prompts 3 --length 100 --window 64 --decode 4".split())
+    assert list(out)[:5] == HEADER
+    assert out["upstream"]["stored_bytes"] > out["live_bytes"]
+    assert out["patched"]["stored_bytes"] == out["live_bytes"]
+    assert out["patched"]["held_bytes"] == out["live_bytes"]
+    assert out["without_store"]["stored_bytes"] > out["live_bytes"]
+    assert out["patched"]["tokens"] == out["upstream"]["tokens"]
+    assert len(out["patched"]["tokens"]) == 4
+
+
+def test_slack_bench_decodes_every_ring_in_place():
+    from mlx_lm_patched.bench import slack
+
+    small = "--layers 2 --max-size 64 --heads 2 --kv-heads 1 --head-dim 16 "
+    small += "--steps 20 --rounds 1 --slack 4 --device cpu"
+    result = slack.main(small.split())
+    sides = [k for k in result if k.startswith(("upstream", "patched"))]
+    assert sides == ["upstream", "patched_slack_0", "patched_slack_4"]
+    assert all(result[k]["ring_buffers"] == 1 for k in sides)

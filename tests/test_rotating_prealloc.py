@@ -18,6 +18,7 @@ from mlx_lm.models.cache import (
 from ringref import (
     attend,
     buffers_through,
+    data_pointer,
     eval_calls,
     fake_backend,
     random_kv,
@@ -412,3 +413,116 @@ def test_ring_attention_equals_reference_and_upstream_when_keep_is_zero(session,
         assert ours.size() == min(ours.offset, max_size)
         if theirs is not None:
             assert theirs.offset == ours.offset
+
+
+# Slack: trims after a wrap, put back from the undo ring.
+
+
+def slack_session(rng, max_size, keep, slack, steps=30):
+    """Random updates and trims of a ring with ``slack``; every update's
+    attention is checked against the reference over the tokens still there.
+    Returns how many wrapped trims were done and how many raised."""
+    cache = RotatingKVCache(max_size, keep=keep, slack=slack)
+    seen_k, seen_v, done, refused = [], [], 0, 0
+    for _ in range(steps):
+        if rng.random() < 0.35:
+            n, wrapped = rng.randint(0, slack + 2), cache.offset > max_size
+            if n > cache.trimmable_tokens() and wrapped:
+                before = (cache.offset, cache._idx, mx.array(cache.keys))
+                with pytest.raises(ValueError, match="slack"):
+                    cache.trim(n)
+                assert (cache.offset, cache._idx) == before[:2]
+                assert same(cache.keys, before[2])
+                refused += 1
+                continue
+            n = cache.trim(n)
+            done += wrapped and n > 0
+            seen_k, seen_v = seen_k[: cache.offset], seen_v[: cache.offset]
+            continue
+        S = rng.choice([1, 1, 1, 2, 3, 5, max_size + 3])
+        k, v = random_kv(1, 1, S, 4)
+        offset, mask = cache.offset, cache.make_mask(S)
+        keys, values = cache.update_and_fetch(k, v)
+        seen_k += list(mx.split(k, S, axis=2))
+        seen_v += list(mx.split(v, S, axis=2))
+        q = mx.random.normal((1, 1, S, 4))
+        ref = attend(
+            q,
+            mx.concatenate(seen_k, axis=2),
+            mx.concatenate(seen_v, axis=2),
+            reference_mask(offset, S, max_size, min(keep, max_size - 1)),
+        )
+        assert mx.allclose(attend(q, keys, values, mask), ref, atol=1e-5).item()
+    return done, refused
+
+
+def test_trims_within_slack_after_a_wrap_are_exact_and_beyond_it_raise():
+    rng, done, refused = random.Random(0), 0, 0
+    for _ in range(60):
+        max_size = rng.randint(2, 12)
+        keep = rng.randint(0, min(4, max_size - 1))
+        d, r = slack_session(rng, max_size, keep, rng.randint(0, max_size - keep))
+        done, refused = done + d, refused + r
+    assert done > 30 and refused > 10  # the session exercised both
+
+
+def test_a_ring_with_slack_decodes_in_place():
+    cache = RotatingKVCache(64, keep=4, slack=8)
+    cache.update_and_fetch(*random_kv(1, 2, 70, 8))
+    mx.eval(cache.keys, cache.values)
+    pointers = set()
+    for _ in range(40):
+        keys, values = cache.update_and_fetch(*random_kv(1, 2, 1, 8))
+        mx.eval(keys.sum() + values.sum())
+        pointers.add((data_pointer(cache.keys), data_pointer(cache.values)))
+    assert len(pointers) == 1 and cache.trimmable_tokens() >= 8
+
+
+def test_slack_zero_keeps_upstreams_state_and_refuses_wrapped_trims():
+    cache = RotatingKVCache(8, slack=0)
+    cache.update_and_fetch(*random_kv(1, 1, 11, 4))
+    assert len(cache.state) == 6 and cache.trimmable_tokens() == 0
+
+
+@pytest.mark.parametrize("slack", [-1, 6])
+def test_a_slack_outside_the_window_raises(slack):
+    with pytest.raises(ValueError, match="slack must be in"):
+        RotatingKVCache(8, keep=3, slack=slack)
+
+
+def test_a_saved_ring_with_slack_loads_and_trims_like_the_original():
+    rng = random.Random(1)
+    for updates in ([20, 1, 1, 1], [3] * 9, [1] * 30):
+        original = RotatingKVCache(16, keep=2, slack=4)
+        for S in updates:
+            original.update_and_fetch(*random_kv(1, 1, S, 4))
+        loaded = save_load(original)
+        assert loaded.trimmable_tokens() == original.trimmable_tokens() >= 4
+        n = rng.randint(1, 4)
+        original.trim(n), loaded.trim(n)
+        chunks = [random_kv(1, 1, S, 4) for S in (1, 1, 3, 1)]
+        for want, got in zip(
+            continue_with(original, chunks), continue_with(loaded, chunks)
+        ):
+            assert all(same(a, b) for a, b in zip(want, got))
+
+
+def test_nbytes_counts_the_undo_ring():
+    cache = RotatingKVCache(8, slack=2)
+    cache.update_and_fetch(*random_kv(1, 2, 12, 4))
+    # keys and values: 8 ring slots and 2 * slack undo slots, float32
+    assert cache.nbytes == 2 * (8 + 4) * 2 * 4 * 4
+
+
+@pytest.mark.parametrize(
+    "item, value, match",
+    [(8, 0, "slack 0"), (8, 9, "slack 9"), (9, 30, "undo positions"), (10, 2, "undo")],
+)
+def test_a_state_whose_undo_ring_contradicts_itself_raises(item, value, match):
+    cache = RotatingKVCache(8, keep=2, slack=3)
+    cache.update_and_fetch(*random_kv(1, 1, 20, 4))
+    state = list(cache.state)
+    RotatingKVCache._check_state(state)
+    state[item] = value
+    with pytest.raises(ValueError, match=match):
+        RotatingKVCache._check_state(state)

@@ -76,3 +76,18 @@ def test_server_with_kv_bits_answers_concurrent_requests_on_localhost(make_tiny_
         server.terminate()
         stderr = server.communicate(timeout=30)[1].decode()
     assert "generation thread died" not in stderr
+
+
+def test_every_batch_step_holds_the_prompt_cache_budget(patched):
+    from mlx_lm.server import ResponseGenerator
+
+    source = inspect.getsource(ResponseGenerator._generate)
+    step = source[source.index("for _ in self._time_budget:") :]
+    step = step[: step.index("uids_to_remove = self._share_object")]
+    # After the step's inserts, trimmed to the budget less the running batch.
+    assert step.rstrip().endswith("hold_prompt_cache_bytes()")
+    assert step.rindex("insert_cache(") < step.rindex("hold_prompt_cache_bytes()")
+    hold = source[source.index("def hold_prompt_cache_bytes") :]
+    hold = hold[: hold.index("\n\n")]
+    assert "trim_to(n_bytes=total - active)" in hold
+    assert "active = batch_generator.prompt_cache_nbytes" in hold

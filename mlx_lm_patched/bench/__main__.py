@@ -1,4 +1,4 @@
-"""python -m mlx_lm_patched.bench {memory,quantized,soak,all} [options]
+"""python -m mlx_lm_patched.bench {memory,quantized,soak,prompt_cache,all} [options]
 
 ``all`` runs ``memory`` with the options given, then ``quantized`` with its
 defaults.
@@ -30,12 +30,24 @@ def soak(argv):
     return soak.main(argv)
 
 
+def prompt_cache(argv):
+    from . import prompt_cache
+
+    return prompt_cache.main(argv)
+
+
 def run_all(argv):
     memory(argv)
     quantized([])
 
 
-COMMANDS = {"memory": memory, "quantized": quantized, "soak": soak, "all": run_all}
+COMMANDS = {
+    "memory": memory,
+    "quantized": quantized,
+    "soak": soak,
+    "prompt_cache": prompt_cache,
+    "all": run_all,
+}
 
 
 def main(argv=None):

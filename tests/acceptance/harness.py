@@ -152,12 +152,14 @@ def rss_bytes(pid):
 
 
 class Server:
-    """``python -m mlx_lm_patched.server`` on 127.0.0.1, stopped by PID."""
+    """``python -m mlx_lm_patched.server`` (``mlx_lm.server`` with
+    ``upstream``) on 127.0.0.1, stopped by PID."""
 
-    def __init__(self, model, *flags, log):
+    def __init__(self, model, *flags, log, upstream=False):
         self.port = free_port()
         self.log_path = Path(log)
-        cmd = [sys.executable, "-m", "mlx_lm_patched.server", "--model", str(model)]
+        front = "mlx_lm.server" if upstream else "mlx_lm_patched.server"
+        cmd = [sys.executable, "-m", front, "--model", str(model)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
         self.cmd = " ".join(cmd[1:])
         self._log = open(self.log_path, "w")

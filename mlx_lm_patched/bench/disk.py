@@ -1,0 +1,167 @@
+"""Disk tier: restoring a long prefix from ``DiskPromptCache`` vs prefilling it.
+
+A random-weight llama of ``--layers`` x ``--hidden`` (``--heads`` query and
+``--kv-heads`` KV heads of ``--head-dim``; ``--intermediate``, ``--vocab``)
+prefills ``--prefix`` tokens in ``--chunk``-token steps, as
+``generate_step`` does; the cache goes to a ``DiskPromptCache`` in a
+temporary directory (``put`` on this thread, then the writer thread).
+``restore`` is a fresh ``DiskPromptCache`` on that directory (the scan a
+restart does) and ``get`` of the prefix plus ``--question`` new tokens,
+evaluated; with ``--cold`` (the default) the file is first dropped from the
+page cache (``posix_fadvise``), so it is read from the disk. Both caches
+then decode ``--decode`` greedy tokens after the question: ``same_tokens``
+compares them. Patched only: upstream has no disk tier.
+
+    python -m mlx_lm_patched.bench.disk                      # CPU, 8 x 512
+    python -m mlx_lm_patched.bench.disk --device gpu --layers 32 --hidden 4096 \\
+        --heads 32 --kv-heads 8 --head-dim 128 --intermediate 14336 \\
+        --vocab 128256 --dtype bfloat16                      # Llama-8B shape
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import DiskPromptCache, make_prompt_cache
+
+import mlx_lm_patched
+from mlx_lm_patched import tiny
+
+from . import emit, header, parse_args
+
+MODEL_KEY = ("bench", None, None)
+
+
+def build_model(args):
+    config = tiny.model_config(
+        "llama",
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.prefix + args.question + args.decode + 1,
+    )
+    return tiny.build_model(config, seed=0, dtype=args.dtype)
+
+
+def prefill(model, tokens, chunk):
+    cache = make_prompt_cache(model)
+    for s in range(0, len(tokens), chunk):
+        model(mx.array(tokens[s : s + chunk])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def greedy(model, cache, tokens, n):
+    steps = generate_step(mx.array(tokens), model, max_tokens=n, prompt_cache=cache)
+    return [int(t) for t, _ in steps]
+
+
+def drop_from_page_cache(directory):
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run(args):
+    model = build_model(args)
+    rng = mx.random.randint(3, args.vocab, (args.prefix + args.question,))
+    tokens = rng.tolist()
+    prefix, question = tokens[: args.prefix], tokens[args.prefix :]
+
+    prefill(model, prefix[:64], args.chunk)  # warm-up
+    t = time.perf_counter()
+    cache = prefill(model, prefix, args.chunk)
+    prefill_s = time.perf_counter() - t
+
+    with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-disk-") as d:
+        tier = DiskPromptCache(d)
+        t = time.perf_counter()
+        tier.put(MODEL_KEY, prefix, cache)
+        put_s = time.perf_counter() - t
+        tier.flush()
+        write_s = time.perf_counter() - t
+        tier.close()
+        file_bytes = tier.nbytes
+        if args.cold:
+            drop_from_page_cache(d)
+
+        t = time.perf_counter()
+        restored, rest = DiskPromptCache(d).get(MODEL_KEY, prefix + question)
+        mx.eval([c.state for c in restored])
+        restore_s = time.perf_counter() - t
+
+    expected = greedy(model, cache, question, args.decode)
+    got = greedy(model, restored, rest, args.decode)
+    return {
+        "prefill_s": round(prefill_s, 4),
+        "prefill_tokens_per_s": round(args.prefix / prefill_s, 1),
+        "put_s": round(put_s, 4),
+        "write_s": round(write_s, 4),
+        "restore_s": round(restore_s, 4),
+        "file_bytes": file_bytes,
+        "restore_bytes_per_s": round(file_bytes / restore_s),
+        "restore_speedup": round(prefill_s / restore_s, 2),
+        "tokens_left_to_prefill": len(rest),
+        "same_tokens": got == expected,
+        "tokens": got,
+    }
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_lm_patched.bench.disk",
+        description="Restore a long prefix from the disk tier vs prefill it.",
+    )
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dtype", default="bfloat16", choices=list(tiny.DTYPES))
+    p.add_argument("--prefix", type=int, default=7000)
+    p.add_argument("--question", type=int, default=16)
+    p.add_argument("--decode", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="drop the file from the page cache before restoring (default: on)",
+    )
+    p.add_argument("--device", choices=["cpu", "gpu"])
+    p.add_argument("--out", help="also write the JSON here")
+    return p
+
+
+def main(argv=None):
+    args = parse_args(build_parser(), argv)
+    applied = [n for n, s in mlx_lm_patched.status().items() if s["applied"]]
+    keys = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")
+    result = {
+        **header("disk", applied),
+        "model": {k: getattr(args, k) for k in keys + ("vocab", "dtype")},
+        "prefix": args.prefix,
+        "question": args.question,
+        "chunk": args.chunk,
+        "cold": args.cold,
+        **run(args),
+    }
+    emit(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The prompt cache stores live tokens only, and evicts through one method.
+
+Upstream's ``LRUPromptCache`` stores the caches it is given as they are: with
+the preallocated rings of ``rotating_prealloc`` every entry keeps a whole
+window per sliding layer (ten 60-token prompts on a tiny gemma3_text with a
+1024-token window: 6,553,600 B patched against 1,617,920 B upstream, which
+itself keeps 256-token steps of padding); and ``fetch_nearest_cache``
+deep-copies the entry on every hit, so a hit briefly holds the entry twice
+before the working cache grows (ml-explore/mlx-lm#1395).
+
+Here ``insert_cache`` stores a compact copy (``_copy_cache``): every array
+holds exactly the live tokens, copied and evaluated (a wrapped ring in
+temporal order; ``KVCache`` and ``ChunkedKVCache`` without their padding;
+quantized caches as their packed live tokens; ``CacheList`` and
+``ArraysCache`` layer by layer; objects of other classes deep-copied as
+upstream fetches them), so an entry's ``nbytes`` is its live tokens' bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
+the entry's buffers: the working cache's first update allocates (a ring its
+``max_size`` slots, a ``KVCache`` its next step) and copies the tokens in
+once, so a hit peaks at the entry plus one working cache.
+
+Every eviction goes through ``_evict``, which pops the least recently used
+entry, updates the byte counters and returns ``(model, tokens, entry)``: one
+place for a subclass to spill what leaves memory (a disk tier). Whether an
+entry can be trimmed back to a common prefix is ``_trimmable``.
+"""
+
+from typing import Any, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from ._registry import Patch, Target, class_patch, pasted_into
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
+def _live_state(cache):
+    """``cache.state`` with only the live tokens (a wrapped ring in temporal order)."""
+    state = cache.state
+    if isinstance(cache, RotatingKVCache) and cache.offset > cache.max_size:
+        keys, values = tree_map(cache._temporal_order, state[:2])
+        return (keys, values, *state[2:5], cache.max_size, *state[6:])
+    if isinstance(cache, (KVCache, ChunkedKVCache)) and cache.keys is not None:
+        n = cache.offset - getattr(cache, "start_position", 0)
+        return (cache.keys[..., :n, :], cache.values[..., :n, :], *state[2:])
+    return state
+
+
+def _copy_cache(cache, copy_array):
+    """A cache like ``cache`` whose arrays are ``copy_array`` of its live
+    state's, evaluated (``mx.array`` copies them, ``copy.copy`` shares their
+    buffers)."""
+    if not isinstance(cache, _BaseCache):  # not a cache of this module
+        return copy.deepcopy(cache)
+    new = copy.copy(cache)
+    if isinstance(cache, CacheList):
+        new.caches = tuple(_copy_cache(c, copy_array) for c in cache.caches)
+    else:
+        new.state = tree_map(
+            lambda x: copy_array(x) if isinstance(x, mx.array) else x,
+            _live_state(cache),
+        )
+        mx.eval(new.state)
+    return new
+
+
+class LRUPromptCache:
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        result = self._trie.search(model, tokens)
+        if result.exact is not None:
+            cache_entry = self._trie.get(result.model, result.exact)
+            return self._working_cache(cache_entry), []
+
+        short_length = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short_length:
+            cache_entry = self._trie.get(result.model, result.longer)
+            prefix = min(len(tokens) - 1, result.common_prefix)
+            num_to_trim = len(result.longer) - prefix
+            if self._trimmable(cache_entry.prompt_cache, num_to_trim):
+                cache = self._working_cache(cache_entry)
+                trim_prompt_cache(cache, num_to_trim)
+                return cache, tokens[prefix:]
+
+        if short_length > 0:
+            cache_entry = self._trie.get(result.model, result.shorter)
+            return self._working_cache(cache_entry), tokens[short_length:]
+
+        return None, tokens
+
+    def _trimmable(self, prompt_cache: List[Any], n: int) -> bool:
+        """Whether ``n`` tokens can be trimmed off a stored entry."""
+        return can_trim_prompt_cache(prompt_cache, n)
+
+    def _working_cache(self, cache_entry):
+        """A cache to generate with, sharing the entry's buffers until written."""
+        return [_copy_cache(c, copy.copy) for c in cache_entry.prompt_cache]
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: List[int],
+        prompt_cache: List[Any],
+        *,
+        cache_type: str = "assistant",
+    ):
+        # Store a copy of the live tokens, not the working buffers
+        prompt_cache = [_copy_cache(c, mx.array) for c in prompt_cache]
+
+        # Make the cache entry
+        entry = LRUPromptCache.CacheEntry(
+            prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type
+        )
+
+        # Insert into the trie and update the byte counter and lru position
+        self._n_bytes += entry.nbytes
+        self._n_bytes_by_type[cache_type] += entry.nbytes
+        prev = self._trie.add(model, tokens, entry)
+        if prev is not None:
+            self._n_bytes -= prev.nbytes
+            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._lru.remove(model, tokens)
+        self._lru.push(model, tokens, cache_type)
+
+        # If it is a trimmable cache remove all prefixes cause they just take
+        # space
+        if can_trim_prompt_cache(prompt_cache):
+            for prefix_len, entry in self._trie.pop_prefixes(model, tokens):
+                self._n_bytes -= entry.nbytes
+                self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+                self._lru.remove(model, tokens[:prefix_len])
+
+        # Ensure we match the constraints
+        self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+
+    def trim_to(
+        self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
+    ):
+        n_sequences = max(0, n_sequences) if n_sequences is not None else 1 << 63
+        n_bytes = max(0, n_bytes) if n_bytes is not None else 1 << 63
+
+        while len(self._lru) > n_sequences:
+            self._evict()
+        while self._n_bytes > n_bytes:
+            self._evict()
+
+    def _evict(self):
+        """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
+        model, tokens = self._lru.pop()
+        entry = self._trie.pop(model, tokens)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        return model, tokens, entry
+
+
+PATCH = Patch(
+    "prompt_cache_store",
+    "LRUPromptCache: entries hold live tokens only, fetched without a deep "
+    "copy; one _evict for every eviction",
+    [
+        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
+        for name, f in (("_live_state", _live_state), ("_copy_cache", _copy_cache))
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:LRUPromptCache",
+        LRUPromptCache,
+        {
+            "fetch_nearest_cache": "c5efeaaafa62",
+            "_trimmable": None,
+            "_working_cache": None,
+            "insert_cache": "a7facc577dbf",
+            "trim_to": "8e38e6757f09",
+            "_evict": None,
+        },
+    ),
+    requires=("rotating_prealloc", "ring_trim_slack"),  # can_trim_prompt_cache(c, n)
+    uses={
+        "mlx_lm.models.cache": (
+            "Any",
+            "CacheList",
+            "ChunkedKVCache",
+            "KVCache",
+            "List",
+            "LRUPromptCache",
+            "Optional",
+            "RotatingKVCache",
+            "_BaseCache",
+            "can_trim_prompt_cache",
+            "copy",
+            "mx",
+            "tree_map",
+            "trim_prompt_cache",
+        )
+    },
+)

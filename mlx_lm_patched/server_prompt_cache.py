@@ -1,0 +1,294 @@
+"""The server's prompt cache holds ``--prompt-cache-bytes``.
+
+Upstream's ``run`` builds ``LRUPromptCache(prompt_cache_size)`` with no byte
+limit, and ``_generate`` trims it only when a request joins the batch: the
+caches inserted at the ends of segments and requests, and every request
+served one at a time (``_serve_single``), grow it past the budget
+(ml-explore/mlx-lm#1390, #1807). Here ``run`` gives the prompt cache
+``max_bytes``, so every insert evicts down to the budget on every path; the
+batched path also trims after every batch step to the budget less what the
+running batch holds (``server_kv_bits``'s ``_generate``). The size the
+server logs before each request is exact (``... 0.00 GB (1638400 B)``):
+GB to two decimals hid every budget under 5 MB.
+
+``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
+(``prompt_cache_disk``): what memory evicts is written to DIR by a
+background thread, read back where memory has less of a prompt, and found
+again after a restart (stopped with Ctrl-C, the server writes what memory
+still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. Upstream's ``main`` builds its parser inline, so it is here whole, with
+the two flags added.
+"""
+
+from http.server import ThreadingHTTPServer
+
+from mlx_lm.server import APIHandler, ModelProvider
+
+from ._registry import Patch, Target, class_patch, pasted_into
+
+
+# Written as it reads in mlx_lm/server.py, and runs there.
+def run(
+    host: str,
+    port: int,
+    model_provider: ModelProvider,
+    server_class=ThreadingHTTPServer,
+    handler_class=APIHandler,
+):
+    group = mx.distributed.init()
+    cli_args = model_provider.cli_args
+    if cli_args.prompt_cache_dir is None:
+        prompt_cache = LRUPromptCache(cli_args.prompt_cache_size)
+    else:
+        from .models.cache import DiskLRUPromptCache, DiskPromptCache
+
+        # One directory per rank: each holds its own shard of the caches.
+        directory = Path(cli_args.prompt_cache_dir)
+        if group.size() > 1:
+            directory = directory / f"rank{group.rank()}"
+        disk = DiskPromptCache(str(directory), cli_args.prompt_cache_disk_bytes)
+        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size)
+    if cli_args.prompt_cache_bytes is not None:
+        prompt_cache.max_bytes = cli_args.prompt_cache_bytes
+    response_generator = ResponseGenerator(model_provider, prompt_cache)
+    if group.rank() == 0:
+        _run_http_server(host, port, response_generator)
+    else:
+        response_generator.join()
+    if cli_args.prompt_cache_dir is not None:
+        # Stopped (Ctrl-C): what memory holds is written too.
+        prompt_cache.trim_to(n_sequences=0)
+        disk.close()
+
+
+class ResponseGenerator:
+    def _log_cache_stats(self):
+        n_sequences = len(self.prompt_cache)
+        n_bytes = self.prompt_cache.nbytes
+        logging.info(
+            f"Prompt Cache: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB "
+            f"({n_bytes} B)"
+        )
+        for cache_type, stats in self.prompt_cache.stats_by_type().items():
+            n_sequences = stats["n_sequences"]
+            n_bytes = stats["n_bytes"]
+            logging.info(
+                f"- {cache_type}: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB"
+            )
+
+
+def main():
+    parser = argparse.ArgumentParser(description="MLX Http Server.")
+    parser.add_argument(
+        "--model",
+        type=str,
+        help="The path to the MLX model weights, tokenizer, and config",
+    )
+    parser.add_argument(
+        "--adapter-path",
+        type=str,
+        help="Optional path for the trained adapter weights and config.",
+    )
+    parser.add_argument(
+        "--host",
+        type=str,
+        default="127.0.0.1",
+        help="Host for the HTTP server (default: 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        help="Port for the HTTP server (default: 8080)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=lambda x: x.split(","),
+        default="*",
+        help="Allowed origins (default: *)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        type=str,
+        help="A model to be used for speculative decoding.",
+        default=None,
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        help="Number of tokens to draft when using speculative decoding.",
+        default=3,
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Enable trusting remote code for tokenizer",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str,
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="Set the logging level (default: INFO)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=str,
+        default="",
+        help="Specify a chat template for the tokenizer",
+        required=False,
+    )
+    parser.add_argument(
+        "--use-default-chat-template",
+        action="store_true",
+        help="Use the default chat template",
+    )
+    parser.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="Default sampling temperature (default: 0.0)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="Default nucleus sampling top-p (default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="Default top-k sampling (default: 0, disables top-k)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="Default min-p sampling (default: 0.0, disables min-p)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="Default maximum number of tokens to generate (default: 512)",
+    )
+    parser.add_argument(
+        "--chat-template-args",
+        type=json.loads,
+        help="""A JSON formatted string of arguments for the tokenizer's apply_chat_template, e.g. '{"enable_thinking":false}'""",
+        default="{}",
+    )
+    parser.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="When a request is batchable then decode that many requests in parallel",
+    )
+    parser.add_argument(
+        "--prompt-concurrency",
+        type=int,
+        default=8,
+        help="When a request is batchable then process that many prompts in parallel",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=2048,
+        help="Step size for prefill processing (default: 2048)",
+    )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="Maximum number of distinct KV caches to hold in the prompt cache",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=_parse_size,
+        help="Maximum size in bytes of the KV caches",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        type=str,
+        help="Directory where the prompt cache keeps what it evicts from memory; "
+        "entries are found again after a restart",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_parse_size,
+        default="16G",
+        help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="Number of bits for KV cache quantization (e.g., 4 or 8). "
+        "Reduces memory usage for long contexts. Disables batching, so "
+        "requests are served one at a time. Default: None (full precision)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        default=64,
+        help="Group size for KV cache quantization (default: 64)",
+    )
+    parser.add_argument(
+        "--quantized-kv-start",
+        type=int,
+        default=DEFAULT_QUANTIZED_KV_START,
+        help="Token position to start KV cache quantization "
+        f"(default: {DEFAULT_QUANTIZED_KV_START})",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="Use pipelining instead of tensor parallelism",
+    )
+    args = parser.parse_args()
+    _ = maybe_set_recommended_wired_limit()
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), None),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+    run(args.host, args.port, ModelProvider(args))
+
+
+PATCH = Patch(
+    "server_prompt_cache",
+    "server: --prompt-cache-bytes holds on every insert and after every batch "
+    "step; --prompt-cache-dir keeps evicted prompt caches on disk",
+    [
+        Target(
+            "mlx_lm.server", "run", pasted_into("mlx_lm.server", run), "8f50bb2caad4"
+        ),
+        Target(
+            "mlx_lm.server", "main", pasted_into("mlx_lm.server", main), "747b1f39c7f1"
+        ),
+    ]
+    + class_patch(
+        "mlx_lm.server:ResponseGenerator",
+        ResponseGenerator,
+        {"_log_cache_stats": "a6d82893f10d"},
+    ),
+    requires=("prompt_cache_store", "prompt_cache_disk"),
+    uses={
+        "mlx_lm.server": (
+            "APIHandler",
+            "DEFAULT_QUANTIZED_KV_START",
+            "LRUPromptCache",
+            "ModelProvider",
+            "Path",
+            "ResponseGenerator",
+            "ThreadingHTTPServer",
+            "_parse_size",
+            "_run_http_server",
+            "argparse",
+            "json",
+            "logging",
+            "maybe_set_recommended_wired_limit",
+            "mx",
+        )
+    },
+)

@@ -1,0 +1,223 @@
+"""prompt_cache_store: LRUPromptCache entries hold exactly the live tokens,
+fetches share them instead of deep-copying, every eviction goes through
+``_evict``."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    LRUPromptCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+from ringref import active, random_kv, same, single_stream
+
+H, DK, DV = 2, 32, 64
+
+
+def fed(cache, lengths):
+    """Feed ``cache`` chunks of these lengths; returns all keys and values fed."""
+    ks, vs = [], []
+    for n in lengths:
+        k, v = random_kv(1, H, n, DK)
+        v = mx.concatenate([v, v], axis=-1)
+        cache.update_and_fetch(k, v)
+        ks.append(k)
+        vs.append(v)
+    mx.eval(cache.state)
+    return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+def ring_live(x, max_size, keep):
+    """The tokens a ring of ``max_size`` slots keeps, in temporal order."""
+    n = x.shape[2]
+    if n <= max_size:
+        return x
+    return mx.concatenate([x[..., :keep, :], x[..., n - (max_size - keep) :, :]], 2)
+
+
+def quantized(x):
+    return tuple(mx.quantize(x, group_size=32, bits=8))
+
+
+# Each case: (a cache, the arrays its live tokens are, read off a cache of its kind)
+def case(kind):
+    if kind == "kv":  # 300 tokens in 256-token steps of padding
+        c = KVCache()
+        k, v = fed(c, [200, 100])
+        return c, (k, v), lambda c: c.state[:2]
+    if kind == "chunked":
+        c = ChunkedKVCache(512)
+        k, v = fed(c, [200, 100])
+        return c, (k, v), lambda c: c.state[:2]
+    if kind == "ring":  # not wrapped: 40 of 64 slots
+        c = RotatingKVCache(64, keep=4)
+        k, v = fed(c, [30, 1, 1, 8])
+        return c, (k, v), lambda c: c.state[:2]
+    if kind == "wrapped_ring":  # wrapped, the oldest token mid-ring
+        c = RotatingKVCache(64, keep=4)
+        k, v = fed(c, [50, 20] + [1] * 9)
+        live = tuple(ring_live(x, 64, 4) for x in (k, v))
+        return c, live, lambda c: c.state[:2]
+    if kind == "quantized":
+        c = QuantizedKVCache(group_size=32, bits=8)
+        k, v = fed(c, [100, 1, 1, 200])
+        return c, (quantized(k), quantized(v)), lambda c: c.state[:2]
+    if kind == "quantized_ring":
+        ring = RotatingKVCache(64, keep=4)
+        k, v = fed(ring, [50, 20])
+        c = ring.to_quantized(group_size=32, bits=8)
+        k2, v2 = fed(c, [1] * 9)
+        k, v = (mx.concatenate(x, axis=2) for x in ((k, k2), (v, v2)))
+        live = tuple(quantized(ring_live(x, 64, 4)) for x in (k, v))
+        return c, live, lambda c: c.state[:2]
+    if kind == "cache_list":
+        c = CacheList(KVCache(), RotatingKVCache(64))
+        kv = fed(c[0], [10])
+        ring = tuple(ring_live(x, 64, 0) for x in fed(c[1], [70, 1]))
+        return c, (kv, ring), lambda c: tuple(x.state[:2] for x in c.caches)
+    if kind == "arrays":
+        c = ArraysCache(2)
+        c[0], c[1] = mx.ones((1, 3, 8)), mx.ones((1, 4, 4))
+        return c, (c[0], c[1]), lambda c: tuple(c.cache)
+
+
+KINDS = [
+    "kv",
+    "chunked",
+    "ring",
+    "wrapped_ring",
+    "quantized",
+    "quantized_ring",
+    "cache_list",
+    "arrays",
+]
+
+
+def nbytes(tree):
+    if isinstance(tree, mx.array):
+        return tree.nbytes
+    return sum(nbytes(x) for x in tree)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stored_entry_holds_exactly_the_live_tokens(patched, exact_active_memory, kind):
+    mx.random.seed(0)
+    cache, live, read = case(kind)
+    lru = LRUPromptCache()
+    lru.insert_cache("m", [1, 2, 3], [cache])
+    del cache
+    assert lru.nbytes == nbytes(live)
+    (fetched,), rest = lru.fetch_nearest_cache("m", [1, 2, 3])
+    assert rest == [] and same(read(fetched), live)
+    del fetched
+    # What the entry holds on its own: no view of the working buffers.
+    held = active()
+    lru.trim_to(n_sequences=0)
+    assert held - active() == nbytes(live)
+
+
+def batch(kind):
+    if kind == "batch_kv":
+        c = BatchKVCache([0, 5, 10])
+    else:
+        c = BatchRotatingKVCache(64, [0, 5, 10])
+    for n in [40] + [1] * 30:  # the ring wraps
+        c.update_and_fetch(*random_kv(3, H, n, DK))
+    return c.to_quantized(group_size=32, bits=8) if kind == "batch_quantized" else c
+
+
+@pytest.mark.parametrize("kind", KINDS + ["batch_kv", "batch_ring", "batch_quantized"])
+def test_nbytes_is_what_a_cache_holds(patched, exact_active_memory, kind):
+    mx.random.seed(0)
+    cache = batch(kind) if kind.startswith("batch") else case(kind)[0]
+    mx.eval(cache.state)
+    with_cache = active()
+    nbytes = cache.nbytes
+    del cache
+    held = with_cache - active()
+    # Besides the tokens, a batch holds its rows' int32 offsets and paddings.
+    assert nbytes <= held <= nbytes + 2 * 3 * 4
+
+
+@pytest.mark.parametrize("kind", ["kv", "quantized"])  # 256-token steps
+def test_upstream_stores_more_than_the_live_tokens(upstream, kind):
+    mx.random.seed(0)
+    cache, live, _ = case(kind)
+    lru = LRUPromptCache()
+    lru.insert_cache("m", [1, 2, 3], [cache])
+    assert lru.nbytes > nbytes(live)
+
+
+@pytest.mark.parametrize("kind", ["kv", "ring", "wrapped_ring", "quantized"])
+def test_writing_a_fetched_cache_leaves_the_entry_as_it_was(patched, kind):
+    mx.random.seed(0)
+    cache, live, read = case(kind)
+    lru = LRUPromptCache()
+    lru.insert_cache("m", [1, 2, 3], [cache])
+    # The working cache shares the entry's buffers until it is written.
+    (working,), rest = lru.fetch_nearest_cache("m", [1, 2, 3, 4])
+    assert rest == [4]
+    if kind != "wrapped_ring":  # a wrapped ring cannot step back
+        working.trim(2)
+    fed(working, [1, 1, 5])
+    (again,), _ = lru.fetch_nearest_cache("m", [1, 2, 3])
+    assert same(read(again), live)
+
+
+@pytest.mark.parametrize(
+    "family,overrides,kv_bits",
+    [
+        ("gemma3_text", {}, None),  # sliding window 64: the ring wraps
+        ("llama", {}, 8),  # QuantizedKVCache after the prompt
+    ],
+)
+def test_greedy_tokens_after_a_fetch_match_upstream(
+    request, load_tiny, family, overrides, kv_bits
+):
+    model, _ = load_tiny(family, **overrides)
+    prompt = [(7 * j + 3) % 500 for j in range(100)]
+    kwargs = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": 32}
+    tokens = {}
+    for side in ("upstream", "patched"):
+        request.getfixturevalue(side)
+        lru = LRUPromptCache()
+        _, cache = single_stream(model, prompt, 1, **kwargs)
+        lru.insert_cache("m", prompt, cache)
+        cache, rest = lru.fetch_nearest_cache("m", prompt + [5, 9])
+        tokens[side] = single_stream(model, rest, 8, cache=cache, **kwargs)[0]
+    assert tokens["patched"] == tokens["upstream"]
+
+
+class Spilling(LRUPromptCache):
+    """Keeps what it evicts, as a disk tier would."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.spilled = {}
+
+    def _evict(self):
+        model, tokens, entry = super()._evict()
+        self.spilled[tuple(tokens)] = entry
+        return model, tokens, entry
+
+
+def test_every_eviction_goes_through_evict(patched):
+    entry = H * 3 * (DK + DV) * 4  # one 3-token KVCache, float32
+    lru = Spilling(max_size=3, max_bytes=2 * entry)
+    for i in range(4):  # by bytes on insert
+        c = KVCache()
+        fed(c, [3])
+        lru.insert_cache("m", [i, i + 10], [c], cache_type=["user", "assistant"][i % 2])
+    assert list(lru.spilled) == [(0, 10), (1, 11)]
+    lru.trim_to(n_sequences=1)  # by count
+    assert list(lru.spilled)[2:] == [(3, 13)]  # assistant entries go first
+    assert [e.nbytes for e in lru.spilled.values()] == [entry] * 3
+    assert len(lru) == 1 and lru.nbytes == entry
+    stats = lru.stats_by_type()
+    assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (entry, 0)

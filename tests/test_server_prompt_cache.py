@@ -1,0 +1,98 @@
+"""The server's prompt cache is given --prompt-cache-bytes and logs its exact size."""
+
+import logging
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+
+def run_prompt_cache(monkeypatch, **cli_args):
+    """The prompt cache ``server.run`` builds for ``cli_args``, its server
+    and generation thread stopped."""
+    from mlx_lm import server
+
+    started = []
+    monkeypatch.setattr(server, "_run_http_server", lambda *a: started.append(a[2]))
+    provider = SimpleNamespace(
+        cli_args=SimpleNamespace(**cli_args),
+        load_default=lambda: None,
+        reset=lambda: None,
+    )
+    server.run("127.0.0.1", 0, provider)
+    (generator,) = started
+    prompt_cache = generator.prompt_cache
+    generator.stop_and_join()
+    return prompt_cache
+
+
+@pytest.mark.parametrize("side", ["patched", "upstream"])
+def test_run_gives_the_prompt_cache_its_byte_budget(request, monkeypatch, side):
+    request.getfixturevalue(side)
+    prompt_cache = run_prompt_cache(
+        monkeypatch,
+        prompt_cache_size=7,
+        prompt_cache_bytes=12345,
+        prompt_cache_dir=None,
+    )
+    assert prompt_cache.max_size == 7
+    assert (prompt_cache.max_bytes == 12345) == (side == "patched")
+
+
+def test_logged_prompt_cache_size_is_exact(patched, caplog):
+    from mlx_lm.models.cache import KVCache, LRUPromptCache
+    from mlx_lm.server import ResponseGenerator
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
+    generator = ResponseGenerator.__new__(ResponseGenerator)
+    generator.prompt_cache = LRUPromptCache()
+    generator.prompt_cache.insert_cache("m", [1, 2, 3], [cache])
+    with caplog.at_level(logging.INFO):
+        generator._log_cache_stats()
+    live = 2 * 2 * 3 * 8 * 4  # keys and values, heads, tokens, dim, float32
+    assert f"Prompt Cache: 1 sequences, 0.00 GB ({live} B)" in caplog.text
+
+
+def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
+    patched, monkeypatch, tmp_path
+):
+    from mlx_lm.models.cache import DiskLRUPromptCache
+
+    directory = str(tmp_path / "prompts")
+    prompt_cache = run_prompt_cache(
+        monkeypatch,
+        prompt_cache_size=7,
+        prompt_cache_bytes=None,
+        prompt_cache_dir=directory,
+        prompt_cache_disk_bytes=999,
+    )
+    assert isinstance(prompt_cache, DiskLRUPromptCache)
+    assert prompt_cache.max_size == 7
+    disk = prompt_cache.disk
+    assert (disk.directory, disk.max_bytes) == (directory, 999)
+    assert not disk._writer.is_alive()  # closed when run returned
+
+
+@pytest.mark.parametrize("side", ["patched", "upstream"])
+def test_main_takes_the_disk_tier_flags(request, monkeypatch, tmp_path, side):
+    request.getfixturevalue(side)
+    from mlx_lm import server
+
+    ran = []
+    monkeypatch.setattr(
+        server, "run", lambda host, port, provider: ran.append(provider)
+    )
+    monkeypatch.setattr(server, "ModelProvider", lambda args: args)
+    flags = ["--prompt-cache-dir", str(tmp_path), "--prompt-cache-disk-bytes", "2G"]
+    monkeypatch.setattr("sys.argv", ["mlx_lm.server", *flags])
+    if side == "upstream":
+        with pytest.raises(SystemExit):
+            server.main()
+        return
+    server.main()
+    (args,) = ran
+    assert (args.prompt_cache_dir, args.prompt_cache_disk_bytes) == (
+        str(tmp_path),
+        2 * 10**9,
+    )

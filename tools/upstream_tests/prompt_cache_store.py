@@ -1,0 +1,50 @@
+"""prompt_cache_store: entries hold the live tokens only; every eviction goes
+through ``_evict``."""
+
+import unittest
+
+SERVER = "tests/test_server.py"
+
+
+class TestLRUPromptCache(unittest.TestCase):
+    def test_entries_hold_the_live_tokens_only(self):
+        cache = LRUPromptCache()
+        model = ("test", None, None)
+        x = mx.random.uniform(shape=(1, 2, 300, 8))
+        kv, ring = KVCache(), RotatingKVCache(max_size=64)
+        kv.update_and_fetch(x, x)
+        ring.update_and_fetch(x[..., :60, :], x[..., :60, :])
+        cache.insert_cache(model, [1, 2], [kv, ring])
+        self.assertEqual(cache.nbytes, 2 * (300 + 60) * 2 * 8 * 4)
+
+        c, t = cache.fetch_nearest_cache(model, [1, 2, 3])
+        self.assertEqual(t, [3])
+        self.assertTrue(mx.array_equal(c[0].keys_and_values()[0], x))
+        self.assertTrue(mx.array_equal(c[1].state[0], x[..., :60, :]))
+
+    def test_every_eviction_goes_through_evict(self):
+        evicted = []
+
+        class Spilling(LRUPromptCache):
+            def _evict(self):
+                evicted.append(super()._evict())
+                return evicted[-1]
+
+        cache = Spilling(max_size=2)
+        model = ("test", None, None)
+        for i in range(3):
+            cache.insert_cache(model, [i], [MockCache("ab")])
+        cache.trim_to(n_bytes=2)
+        self.assertEqual([t for _, t, _ in evicted], [[0], [1]])
+        self.assertEqual(evicted[0][2].nbytes, 2)
+
+
+ADD = {SERVER: [TestLRUPromptCache]}
+EDIT = {
+    SERVER: [
+        (
+            "from mlx_lm.models.cache import KVCache, QuantizedKVCache\n",
+            "from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache\n",
+        )
+    ]
+}

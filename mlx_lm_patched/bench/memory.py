@@ -19,10 +19,12 @@ worst round's.
 
 Memory figures are bytes above the active memory at the scenario's start, net
 of the random inputs the harness holds during the step. A reallocation is a
-step after which a layer's ``cache.keys`` has another shape or another buffer
-(``--realloc-method pointer``, the default on the CPU), or, where reading the
-pointer would move the buffer (CUDA), a shape change or a decode step whose
-transient reaches one layer's keys + values (``memory``).
+step after which a layer's ``cache.keys`` has another shape, or a decode step
+after which it has another buffer (``--realloc-method pointer``, the default
+on the CPU), or, where reading the pointer would move the buffer (CUDA), a
+shape change or a decode step whose transient reaches one layer's keys +
+values (``memory``). A chunk past a ring leaves a ring of the same shape in
+another buffer (writing into the old one would need a sync in the model).
 """
 
 import argparse
@@ -92,8 +94,10 @@ class _Buffers:
     def update(self, S, transient):
         changed = 0
         for i, c in enumerate(self.caches):
-            now = self._id(c)
-            changed += self.seen[i] is not None and now != self.seen[i]
+            now, before = self._id(c), self.seen[i]
+            if before is not None and now != before:
+                # A chunk past a ring leaves a new ring of the same shape.
+                changed += S == 1 or now is None or now[0] != before[0]
             self.seen[i] = now
         if self.method == "memory" and S == 1:
             layer = self.caches[0].keys.nbytes + self.caches[0].values.nbytes

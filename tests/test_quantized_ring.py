@@ -13,22 +13,14 @@ import sys
 
 import mlx.core as mx
 import pytest
+import ringref
 from fuzzing import H, fuzz, layouts, ring_sessions, snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
-from ringref import (
-    data_pointer,
-    eval_calls,
-    fake_backend,
-    random_kv,
-    reference_mask,
-    same,
-    same_mask,
-    save_load,
-)
+from ringref import data_pointer, random_kv, reference_mask, same, same_mask, save_load
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
 from mlx_lm_patched import tiny  # noqa: E402
@@ -362,11 +354,11 @@ def test_quantized_ring_equals_the_fp_ring_fed_the_quantized_tokens(
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
 def test_a_forward_pass_past_the_quantized_ring_has_no_sync(monkeypatch, name):
     """Every ``mx.eval`` of whole model calls: chunks past the ring, decode."""
-    fake_backend(monkeypatch, name)
+    ringref.fake_backend(monkeypatch, name)
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)
     model = tiny.build_model(config, dtype="bfloat16")
     cache = [QuantizedRotatingKVCache(64, keep=4, bits=8) for _ in model.layers]
-    evals = eval_calls(monkeypatch)
+    evals = ringref.eval_calls(monkeypatch)
     for n in (48, 48, 100, 1, 1):
         mx.eval(model(mx.arange(n)[None] % 512, cache=cache))
     assert len(evals) == 5

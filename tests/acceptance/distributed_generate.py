@@ -53,6 +53,10 @@ def main(model_path, out, mode):
     except Exception:
         result["error"] = traceback.format_exc()
     write()
+    if "error" not in result and group.size() > 1:
+        # Exit together: a rank that exits while the other still reads its
+        # last sends makes that read fail ("connection to a peer was lost").
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def _check_layouts(caches, what):
 
 
 # Written as it would read in mlx_lm/models/cache.py, and run there.
-class BatchQuantizedKVCache:
+class BatchQuantizedKVCache(BatchKVCache):
     # ``BatchKVCache``'s layout (its ``prepare``, ``trim``, ``make_mask`` and
     # ``size`` are inherited): column ``t < _idx`` of the shared
     # timeline, row ``b`` real from column ``left_padding[b]``,
@@ -244,7 +244,7 @@ BatchQuantizedKVCache = cache_class(
 )
 
 
-class BatchQuantizedRotatingKVCache:
+class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     # ``BatchRotatingKVCache`` itself (ring, sinks, padding, masks, filter,
     # extend, trim: all its code), with keys and values each one uint32
     # array: per token its packed quantized head dim, then its scales and

@@ -38,7 +38,7 @@ def _quantize_update(cache, keys, values):
     return [tuple(keys), tuple(values)]
 
 
-class QuantizedRotatingKVCache:
+class QuantizedRotatingKVCache(RotatingKVCache):
     # The ring of the patched ``RotatingKVCache``: ``max_size`` slots,
     # ``offset``, ``_idx`` and ``keep`` with the same meaning, so its
     # ``trim``, ``is_trimmable`` and ``size`` are inherited. ``keys``/``values``
@@ -194,7 +194,7 @@ class QuantizedRotatingKVCache:
 class _RotatingKVCache:
     def to_quantized(
         self, group_size: int = 64, bits: int = 4
-    ) -> QuantizedRotatingKVCache:
+    ) -> "QuantizedRotatingKVCache":
         cache = QuantizedRotatingKVCache(self.max_size, self.keep, group_size, bits)
         if self.keys is not None and self.offset > 0:
             if self.keys.shape[2] != self.max_size:

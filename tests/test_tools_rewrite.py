@@ -253,6 +253,31 @@ def test_patch_on_a_class_an_earlier_patch_adds(sdist, tmp_path):
     assert text.endswith("class NewCache:\n    def size(self):\n        return 1\n")
 
 
+class Ring(upstream_cache.RotatingKVCache):
+    def size(self):
+        return 0
+
+
+class _KVCacheToRing:
+    def to_ring(self):
+        return Ring(8)
+
+
+def test_a_new_subclass_is_written_after_its_base_not_before_a_method_naming_it(
+    sdist, tmp_path
+):
+    """``KVCache.to_ring`` names ``Ring`` in a method body, which runs later;
+    ``Ring``'s base is read at import, so ``Ring`` must follow it."""
+    ring = _registry.cache_class(CACHE, Ring, upstream_cache.RotatingKVCache)
+    targets = [Target(CACHE, "Ring", ring, None)] + class_patch(
+        f"{CACHE}:KVCache", _KVCacheToRing, {"to_ring": None}
+    )
+    series = generate([Patch("ring", "x", targets)], sdist, tmp_path)
+    text = series.final["mlx_lm/models/cache.py"]
+    base = text.index("class RotatingKVCache(_BaseCache):")
+    assert text.index("def to_ring(self):") < base < text.index("class Ring(")
+
+
 def test_regeneration_is_deterministic_and_keeps_last_update(sdist, tmp_path):
     patches = [_throwaway()]
     patch_dir = tmp_path / "patches"

@@ -293,7 +293,14 @@ def _place_module_level(text: str, t: Target, origin=None) -> str:
         at = _import_line(text, t.new.__name__)
         lines[at:at] = new
         return "".join(lines)
-    for node in parse(text).body:
+    nodes = parse(text).body
+    # A new class goes after its bases: a method body that names it runs later.
+    bases = {b.__name__ for b in getattr(t.new, "__bases__", ())}
+    ends = [n.end_lineno for n in nodes if getattr(n, "name", None) in bases]
+    if ends:
+        lines[max(ends) : max(ends)] = ["\n", "\n"] + new
+        return "".join(lines)
+    for node in nodes:
         if not isinstance(node, _IMPORTS) and _reads(node, t.attr):
             at = attached_comments(lines, start_of(node))
             lines[at:at] = new + ["\n", "\n"]

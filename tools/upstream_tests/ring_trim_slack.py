@@ -26,6 +26,15 @@ EDIT = {
         (
             "    RotatingKVCache,\n    load_prompt_cache,\n",
             "    RotatingKVCache,\n    can_trim_prompt_cache,\n    load_prompt_cache,\n",
-        )
+        ),
+        # A wrapped ring without slack: the trim raises instead of returning 0.
+        (
+            "        num_trimmed = trim_prompt_cache(cache, 4)\n"
+            "        self.assertEqual(num_trimmed, 0)\n\n"
+            "        cache = [QuantizedKVCache() for _ in range(2)]\n",
+            "        with self.assertRaises(ValueError):\n"
+            "            trim_prompt_cache(cache, 4)\n\n"
+            "        cache = [QuantizedKVCache() for _ in range(2)]\n",
+        ),
     ]
 }

@@ -13,7 +13,8 @@ holds exactly the live tokens, copied and evaluated (a wrapped ring in
 temporal order; ``KVCache`` and ``ChunkedKVCache`` without their padding;
 quantized caches as their packed live tokens; ``CacheList`` and
 ``ArraysCache`` layer by layer; objects of other classes deep-copied as
-upstream fetches them), so an entry's ``nbytes`` is its live tokens' bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
+upstream fetches them), so an entry's ``nbytes`` is its live tokens'
+bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
 the entry's buffers: the working cache's first update allocates (a ring its
 ``max_size`` slots, a ``KVCache`` its next step) and copies the tokens in
 once, so a hit peaks at the entry plus one working cache.

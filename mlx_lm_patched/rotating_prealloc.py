@@ -371,8 +371,8 @@ class RotatingKVCache:
     def nbytes(self):
         if self.keys is None:
             return 0
-        undo = (self._undo_keys, self._undo_values) if self.slack else ()
-        return sum(x.nbytes for x in (self.keys, self.values, *undo) if x is not None)
+        held = self.keys, self.values, self._undo_keys, self._undo_values
+        return sum(x.nbytes for x in held if x is not None)
 
 
 PATCH = Patch(

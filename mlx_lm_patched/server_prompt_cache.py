@@ -15,7 +15,8 @@ GB to two decimals hid every budget under 5 MB.
 (``prompt_cache_disk``): what memory evicts is written to DIR by a
 background thread, read back where memory has less of a prompt, and found
 again after a restart (stopped with Ctrl-C, the server writes what memory
-still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. Upstream's ``main`` builds its parser inline, so it is here whole, with
+still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR.
+Upstream's ``main`` builds its parser inline, so it is here whole, with
 the two flags added.
 """
 

@@ -137,59 +137,67 @@ class BatchRotatingKVCache:
                 sinks = mx.where(take, new, old[..., : self.keep, :])
                 setattr(self, name, _put(old, sinks, [0]))
 
-    def _rewrite(self, columns):
-        """Write ``columns`` (temporal order, evaluated) as the live window."""
-        self.keys = _put(self.keys, columns[0], [self.keep])
-        self.values = _put(self.values, columns[1], [self.keep])
-        self._idx = self.keep + columns[0].shape[2]
-        self.rotated = False
-
-    def _roll_right_padding(self, columns):
-        """Roll the right padding each row has consumed to its left;
-        ``columns`` are keys and values in temporal order."""
+    def _rolled_ring(self, sources, sinks, columns, count, rest=None):
+        """A new ring gathered from ``sources`` (keys, values): the sinks at
+        ``sinks``, the last ``count`` of ``columns`` (temporal order) once
+        each row rolls the right padding it has consumed (past its length) to
+        its left, then ``rest``. One gather, no sync: the old ring is only read."""
         roll = mx.maximum(0, self.offset - self._lengths)
-        n = columns[0].shape[2]
-        src = ((mx.arange(n)[None] - roll[:, None]) % n)[:, None, :, None]
         self.left_padding += roll
         self.offset = self.offset - roll
-        return [mx.take_along_axis(c, src, axis=2) for c in columns]
+        K = columns.shape[0]
+        t = (mx.arange(K - count, K)[None] - roll[:, None]) % K
+        fixed = [x for x in (sinks, rest) if x is not None]
+        fixed = [mx.broadcast_to(x, (t.shape[0], x.shape[0])) for x in fixed]
+        index = mx.concatenate([fixed[0], columns[t], *fixed[1:]], axis=1)
+        return tuple(mx.take_along_axis(c, index[:, None, :, None], 2) for c in sources)
 
     def _update_past_ring(self, keys, values):
         """A multi-token update past the window: attention sees the sinks, the
-        last ``R - 1`` columns and the new ones; the ring keeps the newest."""
+        last ``R - 1`` columns and the new ones; the ring becomes a copy of the
+        sinks and the newest ``R`` columns. Like ``RotatingKVCache``'s, no sync:
+        writing into the old ring would wait for its readers."""
         window = self.max_size - self.keep
         n = min(self._offset, window)
         m = min(n, window - 1)
-        order = self._order()
-        seen, dropped = [], []
-        for cache, new in ((self.keys, keys), (self.values, values)):
-            B, H, S, D = new.shape
-            seen.append(mx.zeros((B, H, self.keep + m + S, D), new.dtype))
-            seen[-1][..., : self.keep, :] = cache[..., : self.keep, :]
-            live = mx.array(order[n - m :], mx.int32)
-            seen[-1][..., self.keep : self.keep + m, :] = cache[..., live, :]
-            seen[-1][..., self.keep + m :, :] = new
-            # The oldest column, which attention no longer sees: right padding
-            # rolls over it too, and it may be a short row's first token.
-            if self._lengths is not None:
-                dropped.append(cache[..., mx.array(order[: n - m], mx.int32), :])
-        # Done reading the ring: evaluate now so the writes below reuse its
-        # buffer. Measured necessary, unlike RotatingKVCache's: BatchGenerator
-        # (Llama-8B shape, H100, 4 prompts of 1500-3000 tokens, ring 2048)
-        # peaked at 12.6 GB without it, 3.8 with it, in the same time.
-        mx.eval(seen, dropped)
+        S = keys.shape[2]
+        # Live slots, oldest first; a full window's oldest (``n - m``, at most
+        # one) drops out of attention. With right padding it goes first in the
+        # copy, unseen: padding rolls over it too, and it may be a short row's
+        # first token.
+        if self._offset <= window:
+            runs = [[self.keep, self.keep + n]]
+        else:
+            idx = self._idx if self._idx < self.max_size else self.keep
+            runs = [[idx, self.max_size], [self.keep, idx]]
+        drop = n - m if self._lengths is not None else 0
+        runs[0][0] += n - m
+        runs = [[runs[0][0] - drop, runs[0][0]], [0, self.keep], *runs]
+        seen = [
+            mx.concatenate([c[..., a:b, :] for a, b in runs if a < b] + [x], axis=2)
+            for c, x in ((self.keys, keys), (self.values, values))
+        ]
         self._offset += S
         self.offset = self.offset + S
-        kept = [c[..., self.keep :, :] for c in seen]
-        # Padding must not take the place of real tokens in the ring.
-        if self._lengths is not None:
-            kept = [mx.concatenate(c, axis=2) for c in zip(dropped, kept)]
-            kept = self._roll_right_padding(kept)
-        self._rewrite([c[..., -window:, :] for c in kept])
+        # Copy index: the sinks, then the newest ``window`` columns.
+        end = seen[0].shape[2]
+        if self._lengths is None:
+            slots = mx.concatenate([mx.arange(self.keep), mx.arange(end - window, end)])
+            self.keys, self.values = (c[..., slots, :] for c in seen)
+        else:  # dropped, live and new columns, the sinks after the dropped
+            sinks = mx.arange(drop, drop + self.keep)
+            columns = mx.concatenate(
+                [mx.arange(drop), mx.arange(drop + self.keep, end)]
+            )
+            self.keys, self.values = self._rolled_ring(seen, sinks, columns, window)
+        self._idx = self.max_size
+        self.rotated = False
         self.left_padding -= n + S - window
         if self._lengths is not None:
             self._reset_undo(self.slack)
-            return _hold(self, tuple(seen), self._offset + self.keep)
+            return _hold(
+                self, tuple(c[..., drop:, :] for c in seen), self._offset + self.keep
+            )
         first = self._offset - S - m + self.keep
         source = (*seen, first, lambda p: p - first + self.keep)
         return _hold(self, tuple(seen), self._offset + self.keep, source)
@@ -221,8 +229,9 @@ class BatchRotatingKVCache:
             self._idx = self.keep
         self.rotated = True
         self.left_padding -= 1
-        self.keys[..., self._idx : self._idx + 1, :] = keys
-        self.values[..., self._idx : self._idx + 1, :] = values
+        # Indexed without an ellipsis: less host time a layer and step.
+        self.keys[:, :, self._idx : self._idx + 1] = keys
+        self.values[:, :, self._idx : self._idx + 1] = values
         self._offset += 1
         self.offset = self.offset + 1
         self._idx += 1
@@ -251,11 +260,16 @@ class BatchRotatingKVCache:
     def finalize(self):
         if self._lengths is not None:
             if self.keys is not None:
-                order = mx.array(self._order(), mx.int32)
-                live = [c[..., order, :] for c in (self.keys, self.values)]
-                live = self._roll_right_padding(live)
-                mx.eval(live)
-                self._rewrite(live)
+                n = len(self._order())
+                self.keys, self.values = self._rolled_ring(
+                    (self.keys, self.values),
+                    mx.arange(self.keep),
+                    mx.array(self._order(), mx.int32),
+                    n,
+                    mx.arange(self.keep + n, self.max_size),
+                )
+                self._idx = self.keep + n
+                self.rotated = False
                 self._reset_undo(self.slack)
             self._lengths = None
             self._fewest = min(self.offset.tolist(), default=0)
@@ -551,8 +565,7 @@ PATCH = Patch(
             "_order": None,
             "_allocate": None,
             "_update_sinks": None,
-            "_rewrite": None,
-            "_roll_right_padding": None,
+            "_rolled_ring": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "keys_and_values": "b7bc1f199038",

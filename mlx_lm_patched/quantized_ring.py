@@ -104,7 +104,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         if self._idx == self.max_size:
             self._idx = self.keep
         for c, x in zip(self.keys + self.values, keys + values):
-            c[..., self._idx : self._idx + 1, :] = x
+            c[:, :, self._idx : self._idx + 1] = x
         self.offset += 1
         self._idx += 1
         return self.keys, self.values

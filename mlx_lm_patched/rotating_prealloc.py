@@ -44,16 +44,18 @@ from ._registry import Patch, Target, class_patch, pasted_into
 
 def _check_update(cache, keys, values):
     """Raise, changing nothing, if ``keys``/``values`` do not fit ``cache``."""
-    new = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
-    held = new
-    if cache.keys is not None:
-        k, v = cache.keys, cache.values
-        held = (*k.shape[:2], k.shape[3], v.shape[3], k.dtype)
-    if held != new or keys.shape[:3] != values.shape[:3] or keys.dtype != values.dtype:
+    ks, vs, held = keys.shape, values.shape, cache.keys
+    fits = ks[:3] == vs[:3] and keys.dtype == values.dtype
+    if fits and held is not None:  # a decode step's check: a few comparisons
+        hk, hv = held.shape, cache.values.shape
+        fits = hk[:2] == ks[:2] and (hk[3], hv[3]) == (ks[3], vs[3])
+        fits = fits and held.dtype == keys.dtype
+    if not fits:
+        k, v = (keys, values) if held is None else (held, cache.values)
         raise ValueError(
             f"{type(cache).__name__} holds (batch, heads, key dim, value dim, "
-            f"dtype) {held}; got keys {keys.shape} {keys.dtype} and values "
-            f"{values.shape} {values.dtype}"
+            f"dtype) {(*k.shape[:2], k.shape[3], v.shape[3], k.dtype)}; got keys "
+            f"{ks} {keys.dtype} and values {vs} {values.dtype}"
         )
 
 
@@ -228,8 +230,9 @@ class RotatingKVCache:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
             self._idx = self.keep
-        self.keys[..., self._idx : self._idx + 1, :] = keys
-        self.values[..., self._idx : self._idx + 1, :] = values
+        # Indexed without an ellipsis: less host time a layer and step.
+        self.keys[:, :, self._idx : self._idx + 1] = keys
+        self.values[:, :, self._idx : self._idx + 1] = values
         self.offset += 1
         self._idx += 1
         return _hold(self, (self.keys, self.values), self.offset)

@@ -135,18 +135,19 @@ def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
 
 
 @pytest.mark.parametrize("keep", [0, 4])
-def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
+def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
     monkeypatch, keep
 ):
-    """As ``RotatingKVCache``'s: the new ring is a copy of the sinks and the
-    newest columns, so nothing waits for the old one's readers."""
+    """The new ring is one gather of the sinks and the newest columns, all
+    rings the same size; one eval a chunk past the ring, none in decode."""
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
     evals = eval_calls(monkeypatch)
     sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
     shapes, _ = buffers_through(cache, 3, sizes, monkeypatch)
     assert {s for s, _, _ in shapes} == {(3, 2, 32, 8)}
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
-    assert len(evals) == len(sizes)  # buffers_through's own, one an update
+    # buffers_through's own, one an update; 30, 40 and 5 run past the ring
+    assert len(evals) == len(sizes) + 3
 
 
 def test_extracted_row_owns_its_memory():
@@ -296,7 +297,9 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-def test_a_forward_pass_of_a_batch_ring_has_no_sync(monkeypatch, name):
+def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
+    monkeypatch, name
+):
     """Every ``mx.eval`` of whole model calls: left padding, then right
     padding (``prepare``), chunks past the ring, then decode with sinks."""
     fake_backend(monkeypatch, name)
@@ -310,8 +313,8 @@ def test_a_forward_pass_of_a_batch_ring_has_no_sync(monkeypatch, name):
     for cache, sizes in ((left, (48, 48, 100, 1, 1)), (right, (48, 48, 52))):
         for n in sizes:
             mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
-    # Past the ring: 48 + 48, then 100; 48 + 48 + 52 with right padding.
-    assert len(evals) == 8
+    past_the_ring = 4  # 48 + 48, then 100; 48, 48 + 48 + 52 with right padding
+    assert len(evals) == 8 + past_the_ring * len(model.layers)
 
 
 def test_updates_write_sinks_only_while_a_row_lacks_keep_tokens(monkeypatch):

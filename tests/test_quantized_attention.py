@@ -102,6 +102,17 @@ def test_cuda_attends_over_dequantized_keys_without_quantized_matmul(
     assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()
 
 
+def test_cuda_evaluates_a_prefill_chunk_s_attention_not_a_decode_step_s(monkeypatch):
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
+    fake_backend(monkeypatch, "cuda")
+    calls, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: calls.append(a) or evaluate(*a))
+    for L in (1, 2, 1):
+        queries = mx.ones((1, 8, L, 64))
+        quantized_scaled_dot_product_attention(queries, keys, values, 0.1, None)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("kv_bits", [4, 8])
 def test_kv_bits_generates_upstream_s_tokens_without_quantized_matmul(
     monkeypatch, kv_bits
@@ -161,10 +172,11 @@ def test_blocked_quantized_attention_holds_about_its_budget():
     assert blocked <= whole / 2
 
 
-@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 0)])
+@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 1)])
 def test_each_backend_s_road_and_its_evals(monkeypatch, name, evals):
     """CPU: chained blocks, no eval; Metal: blocks of a power of two queries,
-    each evaluated; CUDA: dequantized keys through fused attention, no eval.
+    each evaluated; CUDA: dequantized keys through fused attention, the
+    output evaluated (one layer's dequantized keys in flight).
     CPU and Metal give upstream's output bit for bit."""
     rng = np.random.default_rng(0)
     queries = mx.array(rng.standard_normal((1, 8, 64, 64), dtype=np.float32))

@@ -139,7 +139,9 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
     monkeypatch, keep
 ):
     """The new ring is one gather of the sinks and the newest columns, all
-    rings the same size; one eval a chunk past the ring, none in decode."""
+    rings the same size; with no budget for unevaluated copies, one eval a
+    chunk past the ring, none in decode."""
+    monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", 0)
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
     evals = eval_calls(monkeypatch)
     sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
@@ -148,6 +150,24 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
     # buffers_through's own, one an update; 30, 40 and 5 run past the ring
     assert len(evals) == len(sizes) + 3
+
+
+def test_copies_past_the_ring_are_evaluated_once_layers_add_up_to_eval_bytes(
+    monkeypatch,
+):
+    """Four layers' chunks past the ring, each leaving 9,216 bytes of copies
+    (a 4,096-byte ring, 5,120 bytes attention reads): a budget of two layers'
+    evaluates after the second and the fourth."""
+    monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", 2 * 9216)
+    monkeypatch.setattr(BatchRotatingKVCache, "_unevaluated", 0)
+    layers = [BatchRotatingKVCache(32, left_padding=[0, 0]) for _ in range(4)]
+    k, v = (x.astype(mx.float16) for x in random_kv(2, 2, 40, 8))
+    evals = eval_calls(monkeypatch)
+    after = []
+    for cache in layers:
+        cache.update_and_fetch(k, v)
+        after.append(len(evals))
+    assert after == [0, 1, 1, 2]
 
 
 def test_extracted_row_owns_its_memory():
@@ -297,11 +317,17 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
-    monkeypatch, name
+@pytest.mark.parametrize("eval_bytes", [0, None])
+def test_a_forward_pass_of_a_batch_ring_syncs_only_past_its_eval_bytes(
+    monkeypatch, name, eval_bytes
 ):
     """Every ``mx.eval`` of whole model calls: left padding, then right
-    padding (``prepare``), chunks past the ring, then decode with sinks."""
+    padding (``prepare``), chunks past the ring, then decode with sinks. With
+    no budget, one a layer past the ring; a tiny model's copies stay within
+    the default's."""
+    if eval_bytes is not None:
+        monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", eval_bytes)
+    monkeypatch.setattr(BatchRotatingKVCache, "_unevaluated", 0)
     fake_backend(monkeypatch, name)
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)
     model = tiny.build_model(config, dtype="bfloat16")
@@ -314,7 +340,8 @@ def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
         for n in sizes:
             mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
     past_the_ring = 4  # 48 + 48, then 100; 48, 48 + 48 + 52 with right padding
-    assert len(evals) == 8 + past_the_ring * len(model.layers)
+    syncs = past_the_ring * len(model.layers) if eval_bytes == 0 else 0
+    assert len(evals) == 8 + syncs
 
 
 def test_updates_write_sinks_only_while_a_row_lacks_keep_tokens(monkeypatch):

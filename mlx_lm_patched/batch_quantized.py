@@ -408,7 +408,7 @@ class _BatchRotatingKVCache:
         cache._fewest = self._fewest
         if self._lengths is not None:
             cache._lengths = mx.array(self._lengths)
-            cache._fewest_then = self._fewest_then
+            cache._padded = self._padded
         if self.keys is not None:
             keys, values = _quantize_update(cache, self.keys, self.values)
             cache.keys, cache.values = cache._pack(keys), cache._pack(values)

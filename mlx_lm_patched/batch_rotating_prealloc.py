@@ -56,12 +56,6 @@ class BatchRotatingKVCache:
     # most the fewest real tokens of any row, known without a sync; once it
     # reaches ``keep`` every row's sinks are full and updates skip them.
 
-    # Chunks past the ring leave copies (what attention reads, the new ring)
-    # that a model call's layers would hold all at once: once those of every
-    # batch ring add up to ``eval_bytes``, they are evaluated.
-    eval_bytes = 1 << 29
-    _unevaluated = 0
-
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
         if max_size < 1:
             raise ValueError(
@@ -93,15 +87,19 @@ class BatchRotatingKVCache:
         self._undo_keys = self._undo_values = None
         self._lo = self._hi = 0
 
-    def _order(self):
-        """Slots of the live columns, oldest first (an int32 array)."""
+    def _runs(self):
+        """Slot ranges of the live columns, oldest first."""
         window = self.max_size - self.keep
         if self._offset <= window:
-            return mx.arange(self.keep, self.keep + self._offset, dtype=mx.int32)
+            return [(self.keep, self.keep + self._offset)]
         idx = self._idx if self._idx < self.max_size else self.keep
+        return [(idx, self.max_size), (self.keep, idx)]
+
+    def _order(self):
+        """Slots of the live columns, oldest first (an int32 array)."""
         return mx.concatenate(
-            [mx.arange(idx, self.max_size), mx.arange(self.keep, idx)]
-        ).astype(mx.int32)
+            [mx.arange(a, b, dtype=mx.int32) for a, b in self._runs()]
+        )
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
@@ -145,20 +143,42 @@ class BatchRotatingKVCache:
                 sinks = mx.where(take, new, old[..., : self.keep, :])
                 setattr(self, name, _put(old, sinks, [0]))
 
-    def _rolled_ring(self, sources, sinks, columns, count, rest=None):
-        """A new ring gathered from ``sources`` (keys, values): the sinks at
-        ``sinks``, the last ``count`` of ``columns`` (temporal order) once
-        each row rolls the right padding it has consumed (past its length) to
-        its left, then ``rest``. One gather, no sync: the old ring is only read."""
-        roll = mx.maximum(0, self.offset - self._lengths)
-        self.left_padding += roll
-        self.offset = self.offset - roll
-        K = columns.shape[0]
-        t = (mx.arange(K - count, K)[None] - roll[:, None]) % K
-        fixed = [x for x in (sinks, rest) if x is not None]
-        fixed = [mx.broadcast_to(x, (t.shape[0], x.shape[0])) for x in fixed]
-        index = mx.concatenate([fixed[0], columns[t], *fixed[1:]], axis=1)
-        return tuple(mx.take_along_axis(c, index[:, None, :, None], 2) for c in sources)
+    @staticmethod
+    def _columns(runs, lo, hi):
+        """Source ranges of columns ``[lo, hi)`` of ``runs`` laid end to end."""
+        t = 0
+        for a, b in runs:
+            x, y = max(lo, t), min(hi, t + b - a)
+            if x < y:
+                yield a + x - t, a + y - t
+            t += b - a
+
+    def _rolled_ring(self, sources, sinks, runs, count):
+        """A new ring from ``sources`` (keys, values): the sinks from columns
+        ``[sinks, sinks + keep)``, then the last ``count`` of the columns in
+        ``runs`` (source ranges, oldest first) once each row rolls the right
+        padding it has consumed to its left. The rolls are known on the host
+        (``_padded``): slices, no gather (MLX's CUDA gather copies a ring at a
+        fraction of a copy's speed) and no sync."""
+        lengths, rolled, consumed = self._padded  # tokens: rolled, given
+        rolls = [max(0, consumed - l) - max(0, rolled - l) for l in lengths]
+        self._padded = (lengths, consumed, consumed)
+        self.left_padding += mx.array(rolls)
+        self.offset = self.offset - mx.array(rolls)
+        K = sum(b - a for a, b in runs)
+        out = []
+        for src in sources:
+            B, H, _, D = src.shape
+            ring = mx.zeros((B, H, self.max_size, D), src.dtype)
+            ring = _put(ring, src[..., sinks : sinks + self.keep, :], [0])
+            for row, r in enumerate(rolls):
+                start, at = (K - count - r) % max(K, 1), self.keep
+                wrapped = self._columns(runs, 0, start + count - K)
+                for a, b in [*self._columns(runs, start, start + count), *wrapped]:
+                    ring = _put(ring, src[row : row + 1, :, a:b], [row, at], (0, 2))
+                    at += b - a
+            out.append(ring)
+        return tuple(out)
 
     def _update_past_ring(self, keys, values):
         """A multi-token update past the window: attention sees the sinks, the
@@ -172,11 +192,7 @@ class BatchRotatingKVCache:
         # one) drops out of attention. With right padding it goes first in the
         # copy, unseen: padding rolls over it too, and it may be a short row's
         # first token.
-        if self._offset <= window:
-            runs = [[self.keep, self.keep + n]]
-        else:
-            idx = self._idx if self._idx < self.max_size else self.keep
-            runs = [[idx, self.max_size], [self.keep, idx]]
+        runs = [list(r) for r in self._runs()]
         drop = n - m if self._lengths is not None else 0
         runs[0][0] += n - m
         runs = [[runs[0][0] - drop, runs[0][0]], [0, self.keep], *runs]
@@ -186,31 +202,25 @@ class BatchRotatingKVCache:
         ]
         self._offset += S
         self.offset = self.offset + S
-        # Copy index: the sinks, then the newest ``window`` columns.
         end = seen[0].shape[2]
-        if self._lengths is None:
-            slots = mx.concatenate([mx.arange(self.keep), mx.arange(end - window, end)])
-            self.keys, self.values = (c[..., slots, :] for c in seen)
-        else:  # dropped, live and new columns, the sinks after the dropped
-            sinks = mx.arange(drop, drop + self.keep)
-            columns = mx.concatenate(
-                [mx.arange(drop), mx.arange(drop + self.keep, end)]
+        if self._lengths is None:  # copied, not gathered (see _rolled_ring)
+            self.keys, self.values = (
+                mx.concatenate([c[..., : self.keep, :], c[..., end - window :, :]], 2)
+                for c in seen
             )
-            self.keys, self.values = self._rolled_ring(seen, sinks, columns, window)
+        else:  # dropped, live and new columns, the sinks after the dropped
+            runs = [(0, drop), (drop + self.keep, end)]
+            self.keys, self.values = self._rolled_ring(seen, drop, runs, window)
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
         # Measured necessary, unlike RotatingKVCache's: a BatchGenerator
         # prefill (Llama-8B shape, H100, 4 prompts of 1500-3000 tokens, ring
         # 2048) peaked at 11.1 GiB unevaluated, above the unbounded batch's
-        # 10.3; evaluated every layer, at 2.1, its first token 1.13x the
-        # unbounded one's (a sync a layer). Every 512 MiB of copies: EVAL_FIGURES.
-        copies = BatchRotatingKVCache._unevaluated + self.nbytes
-        copies += sum(c.nbytes for c in seen)
-        if copies >= self.eval_bytes:
-            mx.eval(seen, self.keys, self.values)
-            copies = 0
-        BatchRotatingKVCache._unevaluated = copies
+        # 10.3, and at 2.1 evaluated every layer, its first token as soon
+        # (0.44 s, 5 rounds each; every 128 MiB to 1 GiB of copies: 3.1 to
+        # 11.1 GiB, no sooner).
+        mx.eval(seen, self.keys, self.values)
         if self._lengths is not None:
             self._reset_undo(self.slack)
             return _hold(
@@ -233,6 +243,9 @@ class BatchRotatingKVCache:
             self._update_sinks(keys, values)
         if self._lengths is None:  # else right padding: finalize() counts
             self._fewest += S
+        else:
+            lengths, rolled, consumed = self._padded
+            self._padded = (lengths, rolled, consumed + S)
         if self._offset + S <= self.max_size - self.keep:
             prev = self._idx
             self.keys = _put(self.keys, keys, [prev])
@@ -274,26 +287,21 @@ class BatchRotatingKVCache:
 
         if right_padding is not None and max(right_padding) > 0:
             self._lengths = mx.array(lengths) + self.offset
-            # Known now, counted at finalize() (sinks are written until then).
-            self._fewest_then = self._fewest + min(lengths)
+            self._padded = (list(lengths), 0, 0)  # and the tokens since, on the host
 
     def finalize(self):
         if self._lengths is not None:
             if self.keys is not None:
-                order = self._order()
-                n = order.shape[0]
+                n = min(self._offset, self.max_size - self.keep)
                 self.keys, self.values = self._rolled_ring(
-                    (self.keys, self.values),
-                    mx.arange(self.keep),
-                    order,
-                    n,
-                    mx.arange(self.keep + n, self.max_size),
+                    (self.keys, self.values), 0, self._runs(), n
                 )
                 self._idx = self.keep + n
                 self.rotated = False
                 self._reset_undo(self.slack)
+            # Sinks are written until now: the rows' new tokens count from here.
+            self._fewest += min(self._padded[0])
             self._lengths = None
-            self._fewest = self._fewest_then
 
     @property
     def state(self):
@@ -585,13 +593,13 @@ PATCH = Patch(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         BatchRotatingKVCache,
         {
-            "eval_bytes": None,
-            "_unevaluated": None,
             "__init__": "20ae6efbecba",
             "_reset_undo": None,
             "_order": None,
             "_allocate": None,
             "_update_sinks": None,
+            "_runs": None,
+            "_columns": None,
             "_rolled_ring": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",

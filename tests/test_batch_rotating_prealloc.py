@@ -138,10 +138,8 @@ def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
 def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
     monkeypatch, keep
 ):
-    """The new ring is one gather of the sinks and the newest columns, all
-    rings the same size; with no budget for unevaluated copies, one eval a
-    chunk past the ring, none in decode."""
-    monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", 0)
+    """The new ring is a copy of the sinks and the newest columns, all rings
+    the same size; one eval a chunk past the ring, none in decode."""
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
     evals = eval_calls(monkeypatch)
     sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
@@ -150,24 +148,6 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
     # buffers_through's own, one an update; 30, 40 and 5 run past the ring
     assert len(evals) == len(sizes) + 3
-
-
-def test_copies_past_the_ring_are_evaluated_once_layers_add_up_to_eval_bytes(
-    monkeypatch,
-):
-    """Four layers' chunks past the ring, each leaving 9,216 bytes of copies
-    (a 4,096-byte ring, 5,120 bytes attention reads): a budget of two layers'
-    evaluates after the second and the fourth."""
-    monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", 2 * 9216)
-    monkeypatch.setattr(BatchRotatingKVCache, "_unevaluated", 0)
-    layers = [BatchRotatingKVCache(32, left_padding=[0, 0]) for _ in range(4)]
-    k, v = (x.astype(mx.float16) for x in random_kv(2, 2, 40, 8))
-    evals = eval_calls(monkeypatch)
-    after = []
-    for cache in layers:
-        cache.update_and_fetch(k, v)
-        after.append(len(evals))
-    assert after == [0, 1, 1, 2]
 
 
 def test_extracted_row_owns_its_memory():
@@ -317,17 +297,12 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-@pytest.mark.parametrize("eval_bytes", [0, None])
-def test_a_forward_pass_of_a_batch_ring_syncs_only_past_its_eval_bytes(
-    monkeypatch, name, eval_bytes
+def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
+    monkeypatch, name
 ):
     """Every ``mx.eval`` of whole model calls: left padding, then right
-    padding (``prepare``), chunks past the ring, then decode with sinks. With
-    no budget, one a layer past the ring; a tiny model's copies stay within
-    the default's."""
-    if eval_bytes is not None:
-        monkeypatch.setattr(BatchRotatingKVCache, "eval_bytes", eval_bytes)
-    monkeypatch.setattr(BatchRotatingKVCache, "_unevaluated", 0)
+    padding (``prepare``), chunks past the ring, then decode with sinks;
+    ``finalize`` evaluates nothing."""
     fake_backend(monkeypatch, name)
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)
     model = tiny.build_model(config, dtype="bfloat16")
@@ -339,9 +314,26 @@ def test_a_forward_pass_of_a_batch_ring_syncs_only_past_its_eval_bytes(
     for cache, sizes in ((left, (48, 48, 100, 1, 1)), (right, (48, 48, 52))):
         for n in sizes:
             mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
+    for c in right:
+        c.finalize()
     past_the_ring = 4  # 48 + 48, then 100; 48, 48 + 48 + 52 with right padding
-    syncs = past_the_ring * len(model.layers) if eval_bytes == 0 else 0
-    assert len(evals) == 8 + syncs
+    assert len(evals) == 8 + past_the_ring * len(model.layers)
+
+
+def test_right_padding_rolls_rings_by_copies_not_gathers(monkeypatch):
+    """The rolls are known on the host: the new rings are slices written in
+    place, not gathered (MLX's CUDA gather is slow); only the sinks (2
+    columns) are taken along an index."""
+    columns, take = [], mx.take_along_axis
+    monkeypatch.setattr(
+        mx,
+        "take_along_axis",
+        lambda a, i, axis: columns.append(i.shape[2]) or take(a, i, axis),
+    )
+    rows = Rows(8, [0, 0], keep=2)
+    assert rows.check_prefill([6, 4], [10, 3])  # past the ring, then finalize
+    assert rows.check(1) and rows.check(3)
+    assert columns and set(columns) == {2}
 
 
 def test_updates_write_sinks_only_while_a_row_lacks_keep_tokens(monkeypatch):

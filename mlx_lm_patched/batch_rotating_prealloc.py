@@ -484,15 +484,14 @@ class BatchRotatingKVCache:
         values = mx.zeros((B, H, self.max_size, Dv), full.values.dtype)
         row = 0
         for c in caches:
-            if c.keys is not None:
-                order = c._order()
-                slots = mx.concatenate([mx.arange(c.keep, dtype=mx.int32), order])
-                start = [row, self.keep + n - order.shape[0]]
-                k, v = c.keys[..., slots, :], c.values[..., slots, :]
-                keys = _put(keys, k[..., : c.keep, :], [row, 0], (0, 2))
-                values = _put(values, v[..., : c.keep, :], [row, 0], (0, 2))
-                keys = _put(keys, k[..., c.keep :, :], start, (0, 2))
-                values = _put(values, v[..., c.keep :, :], start, (0, 2))
+            if c.keys is not None:  # slices, not a gather (see _rolled_ring)
+                keys = _put(keys, c.keys[..., : c.keep, :], [row, 0], (0, 2))
+                values = _put(values, c.values[..., : c.keep, :], [row, 0], (0, 2))
+                at = self.keep + n - min(c._offset, c.max_size - c.keep)
+                for a, b in c._runs():
+                    keys = _put(keys, c.keys[..., a:b, :], [row, at], (0, 2))
+                    values = _put(values, c.values[..., a:b, :], [row, at], (0, 2))
+                    at += b - a
             row += c.offset.shape[0]
         self.left_padding = mx.concatenate(
             [c.left_padding + n - l for c, l in zip(caches, live)]

@@ -95,12 +95,6 @@ class BatchRotatingKVCache:
         idx = self._idx if self._idx < self.max_size else self.keep
         return [(idx, self.max_size), (self.keep, idx)]
 
-    def _order(self):
-        """Slots of the live columns, oldest first (an int32 array)."""
-        return mx.concatenate(
-            [mx.arange(a, b, dtype=mx.int32) for a, b in self._runs()]
-        )
-
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
         B, H, _, Dk = keys.shape
@@ -517,13 +511,14 @@ class BatchRotatingKVCache:
             return cache
         sinks = min(self.keep, cache.offset)
         padding = max(0, self.left_padding.tolist()[idx] + self.keep)
-        slots = mx.concatenate(
-            [mx.arange(sinks, dtype=mx.int32), self._order()[padding:]]
+        n = min(self._offset, self.max_size - self.keep)
+        runs = [(0, sinks), *self._columns(self._runs(), padding, n)]
+        # A concatenation copies: the row does not pin the batch's buffers.
+        cache.keys, cache.values = (
+            mx.concatenate([c[idx : idx + 1, :, a:b] for a, b in runs], axis=2)
+            for c in (self.keys, self.values)
         )
-        # A gather copies: the row does not pin the batch's buffers.
-        cache.keys = self.keys[idx : idx + 1, :, slots]
-        cache.values = self.values[idx : idx + 1, :, slots]
-        cache._idx = slots.size
+        cache._idx = sum(b - a for a, b in runs)
         if self._undo_keys is not None:
             # Row position ``p`` is column ``p + first``.
             first = self._offset - cache.offset
@@ -594,7 +589,6 @@ PATCH = Patch(
         {
             "__init__": "20ae6efbecba",
             "_reset_undo": None,
-            "_order": None,
             "_allocate": None,
             "_update_sinks": None,
             "_runs": None,

@@ -2,8 +2,11 @@
 
 The batch twin of ``rotating_prealloc``: the ``max_size`` ring is allocated
 once per batch composition (``merge``, ``extend`` and ``filter`` change the
-number of rows, so they build a new ring); decode and chunked prefill write
-into it in place, and right padding is rolled into left padding in place.
+number of rows, so they build a new ring); decode and chunks within the ring
+write into it in place. A chunk past the ring, and ``finalize`` after right
+padding, leave a ring of the same size copied from slices (each row's
+right-padding roll is known on the host): nothing is gathered, and nothing
+but a chunk past the ring is evaluated.
 
 Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
 does (upstream's batch cache has no ``keep``, so batched rows of

@@ -160,8 +160,9 @@ class BatchRotatingKVCache:
         lengths, rolled, consumed = self._padded  # tokens: rolled, given
         rolls = [max(0, consumed - l) - max(0, rolled - l) for l in lengths]
         self._padded = (lengths, consumed, consumed)
-        self.left_padding += mx.array(rolls)
-        self.offset = self.offset - mx.array(rolls)
+        roll = mx.array(rolls)
+        self.left_padding += roll
+        self.offset = self.offset - roll
         K = sum(b - a for a, b in runs)
         out = []
         for src in sources:
@@ -189,24 +190,25 @@ class BatchRotatingKVCache:
         # one) drops out of attention. With right padding it goes first in the
         # copy, unseen: padding rolls over it too, and it may be a short row's
         # first token.
-        runs = [list(r) for r in self._runs()]
+        live = self._runs()
         drop = n - m if self._lengths is not None else 0
-        runs[0][0] += n - m
-        runs = [[runs[0][0] - drop, runs[0][0]], [0, self.keep], *runs]
+        runs = [
+            *self._columns(live, n - m - drop, n - m),
+            (0, self.keep),
+            *self._columns(live, n - m, n),
+        ]
         seen = [
             mx.concatenate([c[..., a:b, :] for a, b in runs if a < b] + [x], axis=2)
             for c, x in ((self.keys, keys), (self.values, values))
         ]
         self._offset += S
         self.offset = self.offset + S
-        end = seen[0].shape[2]
-        if self._lengths is None:  # copied, not gathered (see _rolled_ring)
+        if self._lengths is None:
             self.keys, self.values = (
-                mx.concatenate([c[..., : self.keep, :], c[..., end - window :, :]], 2)
-                for c in seen
+                _sinks_and_newest(c, self.keep, self.max_size) for c in seen
             )
         else:  # dropped, live and new columns, the sinks after the dropped
-            runs = [(0, drop), (drop + self.keep, end)]
+            runs = [(0, drop), (drop + self.keep, seen[0].shape[2])]
             self.keys, self.values = self._rolled_ring(seen, drop, runs, window)
         self._idx = self.max_size
         self.rotated = False
@@ -480,11 +482,11 @@ class BatchRotatingKVCache:
         keys = mx.zeros((B, H, self.max_size, Dk), full.keys.dtype)
         values = mx.zeros((B, H, self.max_size, Dv), full.values.dtype)
         row = 0
-        for c in caches:
+        for c, l in zip(caches, live):
             if c.keys is not None:  # slices, not a gather (see _rolled_ring)
                 keys = _put(keys, c.keys[..., : c.keep, :], [row, 0], (0, 2))
                 values = _put(values, c.values[..., : c.keep, :], [row, 0], (0, 2))
-                at = self.keep + n - min(c._offset, c.max_size - c.keep)
+                at = self.keep + n - l
                 for a, b in c._runs():
                     keys = _put(keys, c.keys[..., a:b, :], [row, at], (0, 2))
                     values = _put(values, c.values[..., a:b, :], [row, at], (0, 2))

@@ -93,6 +93,15 @@ def _ring_slot(cache, p, offset):
     return cache.keep + (cache._idx - cache.keep + p - offset) % ring
 
 
+def _sinks_and_newest(columns, keep, max_size):
+    """A ring of ``max_size`` slots copied from ``columns`` (temporal order):
+    their first ``keep`` and their newest ``max_size - keep``. Copied from
+    two slices, not gathered: on an H100 a gather of the slots took 13% of a
+    16,000-token prefill (0.708 against 0.616 s, ring 4096)."""
+    start = columns.shape[2] - max_size + keep
+    return mx.concatenate([columns[..., :keep, :], columns[..., start:, :]], axis=2)
+
+
 def _hold(cache, fetched, offset, source=None):
     """Return ``fetched``; if the next update evicts (``offset`` tokens in),
     first copy into ``cache``'s undo ring the next ``slack`` tokens to leave
@@ -202,12 +211,8 @@ class RotatingKVCache:
         ]
         # The ring becomes a copy of the newest tokens: writing into the old
         # one in place would wait for its readers (a sync inside the model).
-        # Copied from two slices, not gathered: on an H100 the gather took 13%
-        # of a 16,000-token prefill (0.708 against 0.616 s, ring 4096).
-        start = seen[0].shape[2] - self.max_size + self.keep
         self.keys, self.values = (
-            mx.concatenate([c[..., : self.keep, :], c[..., start:, :]], axis=2)
-            for c in seen
+            _sinks_and_newest(c, self.keep, self.max_size) for c in seen
         )
         self.offset += keys.shape[2]
         self._idx = self.max_size
@@ -389,6 +394,7 @@ PATCH = Patch(
             ("_stored", _stored),
             ("_put", _put),
             ("_ring_slot", _ring_slot),
+            ("_sinks_and_newest", _sinks_and_newest),
             ("_hold", _hold),
         )
     ]

@@ -10,10 +10,11 @@ chunk (the same keys, in the same order, as upstream) and keeps a ring of
 the newest tokens, copied from it. Writing into the old ring instead would
 need a sync inside the model (its readers done first, or MLX copies it
 anyway): on an H100 (Llama-8B shape, ring 4096, 2048-token chunks) the
-per-layer ``mx.eval`` doing that took 16-25% of the prefill time. It bounded
-a chunk past the ring to one layer at a time (1.6 GiB); without it the
-chunk's graph is in flight at once (6.4 GiB), as ``KVCache``'s chunks are
-(5.6-11 GiB).
+per-layer ``mx.eval`` doing that took 16-25% of the prefill time. A chunk of
+256 tokens or more is pipelined instead (``_pipeline``): each layer's update
+is scheduled and waits for the previous layer's, so a chunk holds about two
+layers in flight (1.1 GiB), not its whole graph (6.4 GiB, as ``KVCache``'s
+chunks: 5.6-11 GiB), in the same time.
 
 Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
 from the later queries of a chunk, and rolls the single-token mask as if
@@ -100,6 +101,31 @@ def _sinks_and_newest(columns, keep, max_size):
     16,000-token prefill (0.708 against 0.616 s, ring 4096)."""
     start = columns.shape[2] - max_size + keep
     return mx.concatenate([columns[..., :keep, :], columns[..., start:, :]], axis=2)
+
+
+# The marker of the last layer ``_pipeline`` scheduled.
+_previous_layer = []
+
+
+def _pipeline(arrays, chunk):
+    """Schedule a layer's update of a ``chunk`` of 256 tokens or more
+    (``mx.async_eval`` of ``arrays``) and wait for the previous layer's: the
+    host stays a layer ahead of the device, the chunk's graph is not all in
+    flight at once. Lazily, MLX runs every layer's ring copy last and holds
+    every layer's transients until then. On an H100 (Llama-8B shape, ring
+    4096, 2048-token chunks, 16,000 tokens) a chunk past the ring peaked at
+    1.1 GiB instead of 6.4, the prefill in 0.51 s against 0.53 (an
+    ``mx.eval`` a layer: 20% slower). Under ``mx.compile`` it does nothing."""
+    if chunk < 256:
+        return
+    marker = arrays[-1][:1, :1, :1, :1] * 1  # owns its one element
+    try:
+        mx.async_eval(*arrays, marker)
+    except ValueError:  # a graph transformation: nothing can be evaluated
+        return
+    if _previous_layer:
+        mx.eval(_previous_layer.pop())
+    _previous_layer.append(marker)
 
 
 def _hold(cache, fetched, offset, source=None):
@@ -214,6 +240,7 @@ class RotatingKVCache:
         self.keys, self.values = (
             _sinks_and_newest(c, self.keep, self.max_size) for c in seen
         )
+        _pipeline((*seen, self.keys, self.values), keys.shape[2])
         self.offset += keys.shape[2]
         self._idx = self.max_size
         first = self.offset - keys.shape[2] - m + keep
@@ -229,6 +256,7 @@ class RotatingKVCache:
             prev = self.offset
             self.keys = _put(self.keys, keys, [prev])
             self.values = _put(self.values, values, [prev])
+            _pipeline((self.keys, self.values), S)
             self.offset += S
             self._idx = self.offset
             return _hold(self, self.keys_and_values(), self.offset)
@@ -395,9 +423,11 @@ PATCH = Patch(
             ("_put", _put),
             ("_ring_slot", _ring_slot),
             ("_sinks_and_newest", _sinks_and_newest),
+            ("_pipeline", _pipeline),
             ("_hold", _hold),
         )
     ]
+    + [Target("mlx_lm.models.cache", "_previous_layer", _previous_layer, None)]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,

@@ -7,6 +7,7 @@ what a ring of ``window`` slots fed token by token holds.
 """
 
 import os
+import sys
 import tempfile
 
 import mlx.core as mx
@@ -123,6 +124,21 @@ def eval_calls(monkeypatch):
     monkeypatch.setattr(
         mx, "eval", lambda *a, **k: calls.append(1) or evaluate(*a, **k)
     )
+    return calls
+
+
+def pipeline_calls(monkeypatch):
+    """``(name, shapes)`` of each ``mx.async_eval`` and ``mx.eval`` call from
+    now on, in order; the pipeline starts afresh (no previous layer)."""
+    calls = []
+    for name in ("eval", "async_eval"):
+
+        def record(*a, _name=name, _fn=getattr(mx, name), **k):
+            calls.append((_name, [getattr(x, "shape", None) for x in a]))
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mx, name, record)
+    sys.modules["mlx_lm.models.cache"]._previous_layer.clear()
     return calls
 
 

@@ -21,6 +21,7 @@ from ringref import (
     buffers_through,
     eval_calls,
     fake_backend,
+    pipeline_calls,
     random_kv,
 )
 
@@ -135,19 +136,18 @@ def test_decode_and_chunks_within_the_ring_never_reallocate(monkeypatch, keep):
 
 
 @pytest.mark.parametrize("keep", [0, 4])
-def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_after_one_eval(
+def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
     monkeypatch, keep
 ):
     """The new ring is a copy of the sinks and the newest columns, all rings
-    the same size; one eval a chunk past the ring, none in decode."""
+    the same size; short chunks and decode evaluate nothing."""
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 7], keep=keep)
     evals = eval_calls(monkeypatch)
     sizes = [20, 30] + [1] * 96 + [40, 5, 1, 1]
     shapes, _ = buffers_through(cache, 3, sizes, monkeypatch)
     assert {s for s, _, _ in shapes} == {(3, 2, 32, 8)}
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
-    # buffers_through's own, one an update; 30, 40 and 5 run past the ring
-    assert len(evals) == len(sizes) + 3
+    assert len(evals) == len(sizes)  # buffers_through's own, one an update
 
 
 def test_extracted_row_owns_its_memory():
@@ -297,12 +297,12 @@ def test_every_batch_row_sees_its_own_window_through_random_operations(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
+def test_a_forward_pass_of_a_batch_ring_with_short_chunks_has_no_sync(
     monkeypatch, name
 ):
     """Every ``mx.eval`` of whole model calls: left padding, then right
-    padding (``prepare``), chunks past the ring, then decode with sinks;
-    ``finalize`` evaluates nothing."""
+    padding (``prepare``), chunks (under 256 tokens) past the ring, then
+    decode with sinks; ``finalize`` evaluates nothing."""
     fake_backend(monkeypatch, name)
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)
     model = tiny.build_model(config, dtype="bfloat16")
@@ -316,8 +316,32 @@ def test_a_forward_pass_of_a_batch_ring_syncs_once_a_layer_past_the_ring(
             mx.eval(model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache))
     for c in right:
         c.finalize()
-    past_the_ring = 4  # 48 + 48, then 100; 48, 48 + 48 + 52 with right padding
-    assert len(evals) == 8 + past_the_ring * len(model.layers)
+    assert len(evals) == 8
+
+
+@pytest.mark.parametrize("right_padding", [False, True])
+def test_a_batch_ring_pipelines_chunks_of_256_tokens_or_more(
+    monkeypatch, right_padding
+):
+    """Each layer's update of a long chunk, within the ring and past it, is
+    scheduled, then waits for the previous layer's one-element marker."""
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    L = len(model.layers)
+    cache = [BatchRotatingKVCache(512, [0, 5], keep=4) for _ in model.layers]
+    if right_padding:
+        cache = [BatchRotatingKVCache(512, [0, 0], keep=4) for _ in model.layers]
+        for c in cache:
+            c.prepare(lengths=[600, 595], right_padding=[0, 5])
+    calls = pipeline_calls(monkeypatch)
+    for n in (300, 300):  # within the ring, past it
+        model(mx.arange(2 * n).reshape(2, n) % 512, cache=cache)
+    scheduled = [len(s) for name, s in calls if name == "async_eval"]
+    assert scheduled == [3] * L + [5] * L  # the ring (+ what attention sees)
+    assert [name for name, _ in calls] == ["async_eval"] + ["async_eval", "eval"] * (
+        2 * L - 1
+    )
+    assert all(s == [(1, 1, 1, 1)] for name, s in calls if name == "eval")
 
 
 def test_right_padding_rolls_rings_by_copies_not_gathers(monkeypatch):

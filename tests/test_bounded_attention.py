@@ -128,6 +128,24 @@ def test_cuda_gets_one_fused_call_with_an_additive_mask(backend, fused_calls):
     assert m.dtype == mx.bfloat16 and m.shape == mask.shape
 
 
+@pytest.mark.parametrize(
+    "dtype, K", [(mx.bfloat16, 6143), (mx.float16, 97), (mx.bfloat16, 64)]
+)
+def test_the_additive_mask_is_a_view_of_rows_padded_to_16_bytes(monkeypatch, dtype, K):
+    """cuDNN reads a bias with unaligned rows slowly: the conversion is built
+    over rows of a multiple of 16 bytes and cut back to the mask's shape."""
+    built, where = [], mx.where
+    monkeypatch.setattr(
+        mx, "where", lambda c, *a: built.append(c.shape) or where(c, *a)
+    )
+    mask = mx.random.uniform(shape=(2, 1, 3, K)) < 0.5
+    got = base.additive_mask(mask, dtype)
+    assert built == [(2, 1, 3, -(-K // 8) * 8)]
+    assert got.shape == mask.shape and got.dtype == dtype
+    assert mx.array_equal(got == 0, mask).item()
+    assert mx.array_equal(got < 0, ~mask).item()
+
+
 def test_cuda_makes_a_model_call_s_mask_additive_once(backend, fused_calls):
     """Every layer gets the same mask: one additive array, not one a layer."""
     backend("cuda")

@@ -1,6 +1,7 @@
 """RotatingKVCache, preallocated: same answers as upstream, one buffer, fixed defects."""
 
 import random
+import sys
 
 import mlx.core as mx
 import pytest
@@ -21,6 +22,7 @@ from ringref import (
     data_pointer,
     eval_calls,
     fake_backend,
+    pipeline_calls,
     random_kv,
     reference_mask,
     same,
@@ -183,9 +185,9 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
-def test_a_forward_pass_past_the_ring_has_no_sync(monkeypatch, name):
-    """Every ``mx.eval`` of a whole model call, chunks past the ring, then
-    decode, on each backend's attention road."""
+def test_a_forward_pass_of_short_chunks_past_the_ring_has_no_sync(monkeypatch, name):
+    """Every ``mx.eval`` of a whole model call, chunks (under 256 tokens)
+    past the ring, then decode, on each backend's attention road."""
     fake_backend(monkeypatch, name)
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)
     model = tiny.build_model(config, dtype="bfloat16")
@@ -194,6 +196,73 @@ def test_a_forward_pass_past_the_ring_has_no_sync(monkeypatch, name):
     for n in (48, 48, 100, 1, 1):
         mx.eval(model(mx.arange(n)[None] % 512, cache=cache))
     assert len(evals) == 5
+
+
+def test_chunks_of_256_tokens_or_more_are_pipelined_a_layer_at_a_time(monkeypatch):
+    """Each layer's update of a long chunk is scheduled, then waits for the
+    previous layer's one-element marker, never for its own; shorter chunks
+    and decode evaluate nothing."""
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+    L, H = len(model.layers), config["num_key_value_heads"]
+    cache = [RotatingKVCache(512, keep=4) for _ in model.layers]
+    calls = pipeline_calls(monkeypatch)
+    for n in (300, 300, 255, 1):  # within the ring, past it, past it, decode
+        model(mx.arange(n)[None] % 512, cache=cache)
+    ring, seen, marker = (1, H, 512, 64), (1, H, 300 + 300, 64), (1, 1, 1, 1)
+    scheduled = [s for name, s in calls if name == "async_eval"]
+    assert (
+        scheduled == [[ring, ring, marker]] * L + [[seen, seen, ring, ring, marker]] * L
+    )
+    assert [name for name, _ in calls] == ["async_eval"] + ["async_eval", "eval"] * (
+        2 * L - 1
+    )
+    assert all(s == [marker] for name, s in calls if name == "eval")
+
+
+def test_a_pipelined_chunk_past_the_ring_holds_fewer_layers_in_flight(monkeypatch):
+    """Unpipelined, MLX copies every layer's ring last and holds every
+    layer's transient until then; pipelined, a layer or two at a time."""
+    config = tiny.model_config(
+        "llama",
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=256,
+        head_dim=32,
+    )
+    model = tiny.build_model(config, dtype="bfloat16")
+    cache_module = sys.modules["mlx_lm.models.cache"]
+
+    def peak():
+        cache = [RotatingKVCache(256, keep=4) for _ in model.layers]
+        mx.eval(model(mx.arange(256)[None] % 512, cache=cache))
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(model(mx.arange(256)[None] % 512, cache=cache))  # past the ring
+        return mx.get_peak_memory() - before
+
+    pipelined = peak()
+    monkeypatch.setattr(cache_module, "_pipeline", lambda arrays, chunk: None)
+    in_flight = peak()
+    layer_seen = 2 * 8 * (255 + 256) * 32 * 2  # keys and values, bfloat16
+    assert pipelined < in_flight - 2 * layer_seen
+
+
+def test_under_compile_a_long_chunk_is_not_pipelined():
+    """``mx.compile`` cannot evaluate inside its graph: the same output."""
+    config = tiny.model_config("llama", head_dim=64, hidden_size=128)
+    model = tiny.build_model(config, dtype="bfloat16")
+
+    def forward(tokens):
+        cache = [RotatingKVCache(256, keep=4) for _ in model.layers]
+        model(tokens[:, :300], cache=cache)
+        return model(tokens[:, 300:], cache=cache)
+
+    tokens = mx.arange(600)[None] % 512
+    assert same(mx.compile(forward)(tokens), forward(tokens))
 
 
 def test_nbytes_is_the_ring_from_the_first_update_on():

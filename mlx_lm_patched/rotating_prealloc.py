@@ -123,9 +123,9 @@ def _pipeline(arrays, chunk):
         mx.async_eval(*arrays, marker)
     except ValueError:  # a graph transformation: nothing can be evaluated
         return
-    if _previous_layer:
-        mx.eval(_previous_layer.pop())
-    _previous_layer.append(marker)
+    waiting, _previous_layer[:] = _previous_layer[:], [marker]
+    if waiting:
+        mx.eval(*waiting)
 
 
 def _hold(cache, fetched, offset, source=None):

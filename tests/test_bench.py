@@ -168,6 +168,8 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
         assert single[side]["decode_tokens"] == 8
     assert single["only_rotating_prealloc"]["decode_tokens"] == 8
     assert single["patched"]["cache_nbytes_end"] == 128 * token
+    assert all(v > 0 for v in single["decode_interleaved_ms"].values())
+    assert set(single["decode_interleaved_ms"]) == {"upstream", "patched"}
     # The unbounded cache holds all 308 tokens, in 256-token steps.
     assert single["kvcache"]["cache_nbytes_end"] == 512 * token
     assert all(isinstance(v, bool) for v in single["targets"].values())

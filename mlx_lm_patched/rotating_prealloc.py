@@ -254,9 +254,13 @@ class RotatingKVCache:
         S = keys.shape[2]
         if self.offset + S <= self.max_size:
             prev = self.offset
-            self.keys = _put(self.keys, keys, [prev])
-            self.values = _put(self.values, values, [prev])
-            _pipeline((self.keys, self.values), S)
+            if S == 1:  # as a decode step past the ring writes, below
+                self.keys[:, :, prev : prev + 1] = keys
+                self.values[:, :, prev : prev + 1] = values
+            else:
+                self.keys = _put(self.keys, keys, [prev])
+                self.values = _put(self.values, values, [prev])
+                _pipeline((self.keys, self.values), S)
             self.offset += S
             self._idx = self.offset
             return _hold(self, self.keys_and_values(), self.offset)
@@ -274,7 +278,7 @@ class RotatingKVCache:
     @property
     def state(self):
         if self.keys is not None and self.offset < self.keys.shape[2]:
-            k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+            k, v = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
         else:
             k, v = self.keys, self.values
         state = k, v, self.offset, self.keep, self.max_size, self._idx

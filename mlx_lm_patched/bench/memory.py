@@ -4,7 +4,8 @@ Runs each scenario twice in one process, upstream (``mlx_lm_patched.revert()``)
 then patched (``mlx_lm_patched.apply()``), on the KV geometry of Qwen3-8B
 (36 layers x 8 KV heads x head_dim 128, bfloat16) with no model: random keys
 and values are fed to one cache per layer and each step evaluates what the
-caches return and their state, as ``mlx_lm.generate`` does.
+caches return, and after a multi-token step their state, as
+``mlx_lm.generate`` does.
 
 Scenarios:
   a  prefill ``--prefill`` tokens, then ``--decode`` single-token steps
@@ -68,14 +69,17 @@ def _inputs(layers, batch, heads, S, head_dim, dtype):
 
 
 def _step(caches, kv, layerwise):
+    # generate_step evaluates the caches' state after a prefill chunk, not
+    # after a decode step (its attention consumes what the caches return).
+    state = _state_arrays if kv[0][0].shape[2] > 1 else lambda c: []
     if layerwise:
         # Only one layer's returned arrays alive at a time, as in a model
         # whose attention consumes them before the next layer runs.
         for c, (k, v) in zip(caches, kv):
-            mx.eval(c.update_and_fetch(k, v), _state_arrays(c))
+            mx.eval(c.update_and_fetch(k, v), state(c))
     else:
         out = [c.update_and_fetch(k, v) for c, (k, v) in zip(caches, kv)]
-        mx.eval(out, [_state_arrays(c) for c in caches])
+        mx.eval(out, [state(c) for c in caches])
 
 
 class _Buffers:

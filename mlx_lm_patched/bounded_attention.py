@@ -13,10 +13,10 @@ and ``backend/{cuda,metal}/scaled_dot_product_attention.cpp``):
   in the query dtype (0 where visible, the dtype's minimum elsewhere), takes
   1.3 ms and 40 MiB (the mask and the output), with the same output bit for
   bit (``mask="causal"``: 0.69 ms), and 0.77 ms with its rows padded to 16
-  bytes. A model gives every layer the same
-  mask; it is made additive once (``additive_mask``), not once a layer: with
-  no sync inside the model, a chunk's layers are all in flight at once
-  (0.5 GiB less at the peak of a 2048-token chunk past a 4096-slot ring).
+  bytes. A model gives every layer the same mask; it is made additive once
+  (``additive_mask``), not once a layer: with no sync inside the model, a
+  chunk's layers are all in flight at once (0.5 GiB less at the peak of a
+  2048-token chunk past a 4096-slot ring).
 - Metal: the fused kernel applies boolean and additive masks itself (head
   dims 64, 72, 80, 96, 128 past 8 queries): the mask goes there as it is.
 - CPU, and what no fused kernel takes (float32 or head dims over 128 on CUDA,

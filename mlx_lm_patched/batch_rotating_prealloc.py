@@ -165,17 +165,20 @@ class BatchRotatingKVCache:
         self.left_padding += roll
         self.offset = self.offset - roll
         K = sum(b - a for a, b in runs)
+        copies = []  # (row, source range, ring slot), for keys and values alike
+        for row, r in enumerate(rolls):
+            start, at = (K - count - r) % max(K, 1), self.keep
+            wrapped = self._columns(runs, 0, start + count - K)
+            for a, b in [*self._columns(runs, start, start + count), *wrapped]:
+                copies.append((row, a, b, at))
+                at += b - a
         out = []
         for src in sources:
             B, H, _, D = src.shape
             ring = mx.zeros((B, H, self.max_size, D), src.dtype)
             ring = _put(ring, src[..., sinks : sinks + self.keep, :], [0])
-            for row, r in enumerate(rolls):
-                start, at = (K - count - r) % max(K, 1), self.keep
-                wrapped = self._columns(runs, 0, start + count - K)
-                for a, b in [*self._columns(runs, start, start + count), *wrapped]:
-                    ring = _put(ring, src[row : row + 1, :, a:b], [row, at], (0, 2))
-                    at += b - a
+            for row, a, b, at in copies:
+                ring = _put(ring, src[row : row + 1, :, a:b], [row, at], (0, 2))
             out.append(ring)
         return tuple(out)
 

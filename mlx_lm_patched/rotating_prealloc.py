@@ -252,28 +252,23 @@ class RotatingKVCache:
         if self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
         S = keys.shape[2]
-        if self.offset + S <= self.max_size:
-            prev = self.offset
-            if S == 1:  # as a decode step past the ring writes, below
-                self.keys[:, :, prev : prev + 1] = keys
-                self.values[:, :, prev : prev + 1] = values
-            else:
-                self.keys = _put(self.keys, keys, [prev])
-                self.values = _put(self.values, values, [prev])
-                _pipeline((self.keys, self.values), S)
-            self.offset += S
-            self._idx = self.offset
+        if S == 1:  # decode: slot ``_idx``, within the ring or past it
+            if self._idx == self.max_size:
+                self._idx = self.keep
+            # Indexed without an ellipsis: less host time a layer and step.
+            self.keys[:, :, self._idx : self._idx + 1] = keys
+            self.values[:, :, self._idx : self._idx + 1] = values
+            self.offset += 1
+            self._idx += 1
             return _hold(self, self.keys_and_values(), self.offset)
-        if S > 1:
+        if self.offset + S > self.max_size:
             return self._update_past_ring(keys, values)
-        if self._idx == self.max_size:
-            self._idx = self.keep
-        # Indexed without an ellipsis: less host time a layer and step.
-        self.keys[:, :, self._idx : self._idx + 1] = keys
-        self.values[:, :, self._idx : self._idx + 1] = values
-        self.offset += 1
-        self._idx += 1
-        return _hold(self, (self.keys, self.values), self.offset)
+        self.keys = _put(self.keys, keys, [self.offset])
+        self.values = _put(self.values, values, [self.offset])
+        _pipeline((self.keys, self.values), S)
+        self.offset += S
+        self._idx = self.offset
+        return _hold(self, self.keys_and_values(), self.offset)
 
     @property
     def state(self):

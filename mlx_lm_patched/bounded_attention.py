@@ -133,23 +133,31 @@ def scaled_dot_product_attention(
     path = attention_path(queries, keys, values, mask)
     if path == "additive" and mask.dtype == mx.bool_:
         mask = additive_mask(mask, queries.dtype)
-    B, H, N, _ = queries.shape
-    per_query = 4 * B * H * keys.shape[2]  # float32 scores
-    if path != "scores" or N * per_query <= max_scores:
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
-        )
-    # On CPU a chain of blocks keeps the bound; a GPU encodes every block
-    # before the first one runs, so there only evaluating each block does,
-    # and blocks of a power of two queries give upstream's output bit for bit.
+    if path == "scores":
+        B, H, N, _ = queries.shape
+        per_query = 4 * B * H * keys.shape[2]  # float32 scores
+        if N * per_query > max_scores:
+            rows = max_scores // per_query
+            return _query_blocks(queries, keys, values, scale, mask, sinks, rows)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
+
+
+def _query_blocks(queries, keys, values, scale, mask, sinks, rows):
+    """Attention a block of queries at a time, the scores of ``rows`` queries
+    at most (an eighth of that on CPU, see above). On CPU a chain of blocks
+    keeps the bound; a GPU encodes every block before the first one runs, so
+    there only evaluating each block does, and blocks of a power of two
+    queries give upstream's output bit for bit."""
     on_cpu = sdpa_backend() == "cpu"
-    block = max(1, max_scores // ((8 if on_cpu else 1) * per_query))
+    block = max(1, rows // 8 if on_cpu else rows)
     if not on_cpu:
         block = 1 << (block.bit_length() - 1)
     out = []
-    for start in range(0, N, block):
-        rows = slice(start, start + block)
-        q = queries[..., rows, :]
+    for start in range(0, queries.shape[2], block):
+        part = slice(start, start + block)
+        q = queries[..., part, :]
         if out and on_cpu:  # one block after the other
             q = mx.depends(q, out[-1])
         out.append(
@@ -158,7 +166,7 @@ def scaled_dot_product_attention(
                 keys,
                 values,
                 scale=scale,
-                mask=mask[..., rows, :] if mask.shape[-2] > 1 else mask,
+                mask=mask[..., part, :] if mask.shape[-2] > 1 else mask,
                 sinks=sinks,
             )
         )
@@ -171,6 +179,7 @@ def scaled_dot_product_attention(
 sdpa_backend = pasted_into("mlx_lm.models.base", sdpa_backend)
 attention_path = pasted_into("mlx_lm.models.base", attention_path)
 additive_mask = pasted_into("mlx_lm.models.base", additive_mask)
+_query_blocks = pasted_into("mlx_lm.models.base", _query_blocks)
 scaled_dot_product_attention = pasted_into(
     "mlx_lm.models.base", scaled_dot_product_attention
 )
@@ -184,6 +193,7 @@ PATCH = Patch(
         Target("mlx_lm.models.base", "attention_path", attention_path, None),
         Target("mlx_lm.models.base", "_additive_masks", _additive_masks, None),
         Target("mlx_lm.models.base", "additive_mask", additive_mask, None),
+        Target("mlx_lm.models.base", "_query_blocks", _query_blocks, None),
         Target(
             "mlx_lm.models.base",
             "scaled_dot_product_attention",

@@ -159,7 +159,8 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompts 300 --chunk 128 --max-size 128 --decode 8 "
     tiny += "--kv-prompt 200 --kv-bits 8 --batch-prompts 90,60 --batch-new 3 "
-    tiny += "--batch-max-kv 64 --rounds 1 --device cpu --only rotating_prealloc"
+    tiny += "--batch-max-kv 64 --rounds 1 --batch-rounds 1 --device cpu "
+    tiny += "--only rotating_prealloc"
     out = e2e.main(tiny.split())
     assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16

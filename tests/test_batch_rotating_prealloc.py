@@ -4,6 +4,7 @@ plain per-row window over its real tokens, through every batch operation."""
 import random
 
 import mlx.core as mx
+import mlx_lm.models.cache as cache_module
 import pytest
 from fuzzing import apply_batch_op, batch_ops, chunk_sizes, fuzz, prefill_chunks
 from hypothesis import given
@@ -148,6 +149,29 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
     assert {s for s, _, _ in shapes} == {(3, 2, 32, 8)}
     assert cache.nbytes == 2 * 3 * 2 * 32 * 8 * 2
     assert len(evals) == len(sizes)  # buffers_through's own, one an update
+
+
+def test_right_padding_is_rolled_in_one_copy_per_run_of_rows_rolled_alike(
+    monkeypatch,
+):
+    """A right-padded chunk past the ring copies rows rolled alike together
+    (rows 0-1 roll 0, rows 2-3 roll 3: two runs, one slice each for keys and
+    for values past the sinks); ``finalize`` then has nothing left to roll
+    and keeps the ring as it is."""
+    cache = BatchRotatingKVCache(8, left_padding=[0] * 4, keep=2)
+    cache.prepare(lengths=[12, 12, 9, 9], right_padding=[0, 0, 3, 3])
+    puts, put = [], cache_module._put
+    monkeypatch.setattr(
+        cache_module, "_put", lambda b, u, *a: puts.append(u.shape) or put(b, u, *a)
+    )
+    cache.update_and_fetch(*random_kv(4, 2, 12, 8))
+    rows = sorted(shape[0] for shape in puts if shape[2] != cache.keep)
+    assert rows == [2, 2, 2, 2]
+    keys, values = cache.keys, cache.values
+    cache.finalize()
+    assert cache.keys is keys and cache.values is values
+    assert cache.offset.tolist() == [12, 12, 9, 9]
+    assert cache.left_padding.tolist() == [-6, -6, -3, -3]
 
 
 def test_extracted_row_owns_its_memory():

@@ -85,18 +85,19 @@ class BatchRotatingKVCache:
 
     @property
     def left_padding(self):
-        # Decode steps past the ring are counted on the host (``_rolled``)
-        # and taken off when it is read (the mask reads layer 0's once a
-        # step): no subtraction built a layer and step, and no chain of them
-        # left lazy, one op a step, in the layers whose padding nobody reads.
-        if self._rolled:
-            self._left_padding = self._left_padding - self._rolled
-            self._rolled = 0
+        # Columns dropped by decode steps past the ring are counted on the
+        # host (``_dropped``) and taken off when it is read (the mask reads
+        # layer 0's once a step): no subtraction built a layer and step, and
+        # no chain of them left lazy, one op a step, in the layers whose
+        # padding nobody reads.
+        if self._dropped:
+            self._left_padding = self._left_padding - self._dropped
+            self._dropped = 0
         return self._left_padding
 
     @left_padding.setter
     def left_padding(self, v):
-        self._left_padding, self._rolled = v, 0
+        self._left_padding, self._dropped = v, 0
 
     def _reset_undo(self, slack):
         """Column ``t`` is position ``keep + t`` of ``RotatingKVCache``'s undo
@@ -290,7 +291,7 @@ class BatchRotatingKVCache:
         if self._idx == self.max_size:
             self._idx = self.keep
         self.rotated = True
-        self._rolled += 1  # taken off ``left_padding`` when it is read
+        self._dropped += 1  # taken off ``left_padding`` when it is read
         # Indexed without an ellipsis: less host time a layer and step.
         self.keys[:, :, self._idx : self._idx + 1] = keys
         self.values[:, :, self._idx : self._idx + 1] = values

@@ -6,6 +6,7 @@ upstream side.
 """
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -147,21 +148,21 @@ def test_soak_writes_to_out_the_json_it_prints(tmp_path, capsys):
     assert set(out["scenarios"]) == {"rotating", "quantized", "quantized_ring"}
 
 
-def test_dispatch_knows_every_command_and_refuses_others(capsys):
-    assert set(bench.COMMANDS) == {"memory", "quantized", "soak", "prompt_cache", "all"}
+def test_dispatch_knows_every_benchmark_module_and_refuses_others(capsys):
+    modules = {p.stem for p in Path(bench.__file__).parent.glob("*.py")}
+    assert set(bench.COMMANDS) == modules - {"__init__", "__main__"} | {"all"}
     assert bench.main(["nonsense"]) == 2
-    assert "memory,quantized,soak,prompt_cache,all" in capsys.readouterr().err
+    assert "memory, quantized, soak, prompt_cache, e2e" in capsys.readouterr().err
 
 
-def test_e2e_tiny_model_runs_every_cache_and_scenario():
-    from mlx_lm_patched.bench import e2e
-
+def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path):
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompts 300 --chunk 128 --max-size 128 --decode 8 "
     tiny += "--kv-prompt 200 --kv-bits 8 --batch-prompts 90,60 --batch-new 3 "
     tiny += "--batch-max-kv 64 --rounds 1 --batch-rounds 1 --device cpu "
     tiny += "--only rotating_prealloc"
-    out = e2e.main(tiny.split())
+    assert bench.main(["e2e", *tiny.split(), "--out", str(tmp_path / "e2e.json")]) == 0
+    out = json.loads((tmp_path / "e2e.json").read_text())
     assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
     single = out["single"]["300"]
@@ -169,8 +170,10 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
         assert single[side]["decode_tokens"] == 8
     assert single["only_rotating_prealloc"]["decode_tokens"] == 8
     assert single["patched"]["cache_nbytes_end"] == 128 * token
-    assert all(v > 0 for v in single["decode_interleaved_ms"].values())
-    assert set(single["decode_interleaved_ms"]) == {"upstream", "patched"}
+    assert all(single["decode_interleaved_ms"][k] > 0 for k in ("upstream", "patched"))
+    assert set(single["decode_interleaved_ms"]) == {"upstream", "patched", "paired"}
+    ratio, low, high = single["ratios"]["patched_over_upstream_decode_ms_paired"]
+    assert low <= ratio <= high
     # The unbounded cache holds all 308 tokens, in 256-token steps.
     assert single["kvcache"]["cache_nbytes_end"] == 512 * token
     assert all(isinstance(v, bool) for v in single["targets"].values())
@@ -178,6 +181,9 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario():
     assert "NotImplementedError" in q["upstream_rotating_q8"]["error"]
     for side in ("rotating_q8", "kvcache_q8"):
         assert q[side]["decode_tokens"] == 8
+    for n in (None, 64):
+        assert q[f"batch_{n}_q8"]["generated"] == q[f"batch_{n}_bf16"]["generated"]
+        assert isinstance(q["targets"][f"batch_{n}_q8_prefill_peak_lt_bf16"], bool)
     for r in (out["batch"][f"max_kv_size={n}"] for n in (None, 64)):
         assert r["patched"]["generated"] == r["upstream"]["generated"] == 2 * 3
     assert out["batch"]["max_kv_size=None"]["tokens_match_upstream"]

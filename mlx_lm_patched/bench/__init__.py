@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m mlx_lm_patched.bench {memory,quantized,soak,prompt_cache,all}``.
+"""Benchmarks: ``python -m mlx_lm_patched.bench <command>`` (see ``__main__``).
 
 What the benchmarks share: parsing with ``--device``, the keys their JSON
 starts with, and printing (and with ``--out``, writing) that JSON.

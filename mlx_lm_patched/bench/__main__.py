@@ -1,51 +1,38 @@
-"""python -m mlx_lm_patched.bench {memory,quantized,soak,prompt_cache,all} [options]
+"""python -m mlx_lm_patched.bench COMMAND [options]
 
-``all`` runs ``memory`` with the options given, then ``quantized`` with its
-defaults.
+COMMAND: memory, quantized, soak, prompt_cache, e2e, attention, disk, slack
+or all.
+Each command runs the module of its name (``python -m
+mlx_lm_patched.bench.<command>`` does the same); ``all`` runs ``memory``
+with the options given, then ``quantized`` with its defaults.
 """
 
+import importlib
 import sys
 
-
-def quantized(argv):
-    try:
-        from . import quantized
-    except ModuleNotFoundError as e:
-        if e.name != __package__ + ".quantized":
-            raise
-        print("[bench] quantized: not available yet, skipped", file=sys.stderr)
-        return None
-    return quantized.main(argv)
-
-
-def memory(argv):
-    from . import memory
-
-    return memory.main(argv)
+MODULES = [
+    "memory",
+    "quantized",
+    "soak",
+    "prompt_cache",
+    "e2e",
+    "attention",
+    "disk",
+    "slack",
+]
 
 
-def soak(argv):
-    from . import soak
-
-    return soak.main(argv)
-
-
-def prompt_cache(argv):
-    from . import prompt_cache
-
-    return prompt_cache.main(argv)
+def run(name, argv):
+    return importlib.import_module(f"{__package__}.{name}").main(argv)
 
 
 def run_all(argv):
-    memory(argv)
-    quantized([])
+    run("memory", argv)
+    run("quantized", [])
 
 
 COMMANDS = {
-    "memory": memory,
-    "quantized": quantized,
-    "soak": soak,
-    "prompt_cache": prompt_cache,
+    **{name: lambda argv, name=name: run(name, argv) for name in MODULES},
     "all": run_all,
 }
 

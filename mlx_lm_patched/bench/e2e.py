@@ -13,7 +13,10 @@ against an unbounded ``KVCache``, in one run, one JSON:
 - ``quantized``: the ``--kv-prompt`` prompt with ``kv_bits`` 4 and 8
   (quantized from the first token), ring and ``KVCache``, next to their
   bfloat16 runs; upstream's errors are recorded (on MLX CUDA its quantized
-  attention has no kernel, and its ring cannot be quantized).
+  attention has no kernel, and its ring cannot be quantized). Then the
+  ``batch`` workload below with ``kv_bits``, with ``max_kv_size`` and
+  without, next to its bfloat16 runs (patched only: upstream's
+  ``BatchGenerator`` takes no ``kv_bits``).
 - ``batch``: ``BatchGenerator`` with ``--batch-prompts`` (4 prompts), greedy,
   ``--batch-new`` tokens each, with ``max_kv_size`` ``--batch-max-kv`` and
   without (``BatchKVCache``, left-padded), upstream and patched, all four in
@@ -172,7 +175,9 @@ def interleaved_decode(model, args, prompt, blocks=48, steps=16):
     the sides alternating (ABBA), so both see the same drift of the device's
     clocks; the median step of each side, in ms. Each block starts on an
     idle device with one untimed step (the token ``generate_step`` computed
-    ahead)."""
+    ahead). ``paired``: the median over neighbouring blocks of the ratio of
+    their median steps (patched over upstream), with a bootstrap 95%
+    interval: whether the two sides differ by more than the noise."""
     sides = {"upstream": _switch("none"), "patched": _switch()}
     gens, times = {}, {}
     for name, switch in sides.items():
@@ -200,19 +205,29 @@ def interleaved_decode(model, args, prompt, blocks=48, steps=16):
                     tic = toc
     del gens
     _fresh()
-    return {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    out = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
+    per_block = {
+        k: np.median(np.reshape(t, (blocks, steps)), 1) for k, t in times.items()
+    }
+    ratios = per_block["patched"] / per_block["upstream"]
+    resampled = np.random.default_rng(0).choice(ratios, (2000, blocks))
+    low, high = np.percentile(np.median(resampled, 1), [2.5, 97.5])
+    out["paired"] = [round(float(x), 4) for x in (np.median(ratios), low, high)]
+    return out
 
 
-def run_batch(model, args, max_kv_size, weights):
+def run_batch(model, args, max_kv_size, weights, kv_bits=None):
     _fresh()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, args.vocab, n).tolist() for n in args.batch_prompts]
+    quantize = {} if kv_bits is None else {"kv_bits": kv_bits, "quantized_kv_start": 0}
     gen = BatchGenerator(
         model,
         max_tokens=args.batch_new,
         stop_tokens=[],
         prefill_step_size=args.chunk,
         max_kv_size=max_kv_size,
+        **quantize,
     )
     mx.reset_peak_memory()
     tic = start = time.perf_counter()
@@ -353,6 +368,8 @@ def single(model, args, weights, result):
             "patched_over_upstream_decode_ms_interleaved": round(
                 inter["patched"] / inter["upstream"], 3
             ),
+            # Block by block: the median ratio and its 95% interval.
+            "patched_over_upstream_decode_ms_paired": inter["paired"],
             "upstream_over_kvcache_prefill_s": _ratio(u, k, "prefill_s"),
             "upstream_over_kvcache_prefill_peak": _ratio(u, k, "prefill_peak"),
         }
@@ -383,13 +400,25 @@ def quantized(model, args, weights, result):
                 _switch(),
                 functools.partial(run, kind=kind, kv_bits=bits),
             )
-            sides[f"upstream_{kind}_q{bits}"] = (
-                _switch("none"),
-                functools.partial(run, kind=kind, kv_bits=bits),
+        # Upstream fails alike at every kv_bits (on CUDA after 90 s): once.
+        sides[f"upstream_{kind}_q{args.kv_bits[0]}"] = (
+            _switch("none"),
+            functools.partial(run, kind=kind, kv_bits=args.kv_bits[0]),
+        )
+    for max_kv in (None, args.batch_max_kv):
+        run = functools.partial(run_batch, model, args, max_kv, weights)
+        sides[f"batch_{max_kv}_bf16"] = (_switch(), run)
+        for bits in args.kv_bits:
+            sides[f"batch_{max_kv}_q{bits}"] = (
+                _switch(),
+                functools.partial(run, kv_bits=bits),
             )
     r = measure(sides, args.rounds, f"quantized {args.kv_prompt}")
+    for name in sides:
+        r[name].pop("tokens", None)
     r["ratios"], r["targets"] = {}, {}
-    for kind in ("rotating", "kvcache"):
+    kinds = ("rotating", "kvcache", "batch_None", f"batch_{args.batch_max_kv}")
+    for kind in kinds:
         for bits in args.kv_bits:
             name = f"{kind}_q{bits}"
             ratio = _ratio(r[name], r[f"{kind}_bf16"], "prefill_peak")

@@ -198,3 +198,46 @@ def test_each_backend_s_road_and_its_evals(monkeypatch, name, evals):
         assert mx.allclose(got, want, atol=1e-5).item()
     else:
         assert same(got, want)
+
+
+def test_query_heads_sharing_a_kv_head_do_not_copy_its_keys():
+    """A decode step over a long 8-bit cache, 4 query heads a KV head: the
+    call holds less than one copy of the layer's quantized keys and values
+    (upstream broadcasts them over the query heads: 4 copies)."""
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 4096, 64))
+    queries = mx.ones((1, 8, 1, 64))
+    mx.eval(keys, values, queries)
+    cache_bytes = sum(x.nbytes for x in (*keys, *values))
+
+    def peak(attention):
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(attention(queries * 1, keys, values, 0.1, None, 64, 8))
+        return mx.get_peak_memory() - before
+
+    upstream = mlx_lm_patched.get_original(
+        "mlx_lm.models.base", "quantized_scaled_dot_product_attention"
+    )
+    assert peak(upstream) > 3 * cache_bytes
+    assert peak(quantized_scaled_dot_product_attention) < cache_bytes
+
+
+@pytest.mark.parametrize("name, rows", [("cpu", 4), ("metal", 1)])
+def test_a_decode_step_s_query_heads_are_rows_on_cpu_only(monkeypatch, name, rows):
+    """CPU multiplies the 4 query heads of a KV head as 4 rows of one matrix
+    (no broadcast keys to copy); Metal keeps upstream's one-row products over
+    broadcast keys, whose kernel (``qvm``) it picks by the rows."""
+    keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
+    fake_backend(monkeypatch, name)
+    shapes, multiply = [], mx.quantized_matmul
+    monkeypatch.setattr(
+        mx,
+        "quantized_matmul",
+        lambda x, *a, **k: shapes.append(x.shape) or multiply(x, *a, **k),
+    )
+    quantized_scaled_dot_product_attention(
+        mx.ones((1, 8, 1, 64)), keys, values, 0.1, None
+    )
+    assert [s[-2] for s in shapes] == [rows, rows]

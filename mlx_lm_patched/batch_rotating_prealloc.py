@@ -416,6 +416,12 @@ class BatchRotatingKVCache:
                 f"_idx {_idx} does not fit _offset {_offset} and keep {keep}"
             )
 
+    @property
+    def nbytes(self):
+        # The undo ring too: a server's prompt cache budgets by ``nbytes``.
+        held = self.keys, self.values, self._undo_keys, self._undo_values
+        return sum(x.nbytes for x in held if x is not None)
+
     def is_trimmable(self):
         return self._offset < self.max_size - self.keep
 
@@ -643,6 +649,7 @@ PATCH = Patch(
             "finalize": "3b873fc3d89c",
             "state": "6b269fad0f9b",
             "_check_state": None,
+            "nbytes": "14b373f5e3ab",
             "is_trimmable": "f266b2c1321a",
             "trim": "6016a533a41f",
             "make_mask": "0ead5fbf5d65",

@@ -451,3 +451,20 @@ def test_rows_extracted_after_a_wrap_trim_back_their_slack_exactly():
             n = min(slack, row.offset)
             assert row.trim(n) == n and holds(row, tokens[: len(tokens) - n])
     assert trims > 50
+
+
+def test_nbytes_counts_the_undo_ring_rows_bring_with_their_slack():
+    """A batch of rows with slack keeps an undo ring once it wraps; the
+    server's prompt cache budgets by ``nbytes``, so it counts that too."""
+    rows = []
+    for n in (5, 9):
+        row = RotatingKVCache(8, keep=2, slack=2)
+        row.update_and_fetch(*random_kv(1, 2, n, 4))
+        rows.append(row)
+    batch = BatchRotatingKVCache.merge(rows)
+    for _ in range(12):
+        batch.update_and_fetch(*random_kv(2, 2, 1, 4))
+    assert batch._undo_keys is not None
+    held = (batch.keys, batch.values, batch._undo_keys, batch._undo_values)
+    assert batch.nbytes == sum(x.nbytes for x in held)
+    assert BatchRotatingKVCache(8, left_padding=[0]).nbytes == 0

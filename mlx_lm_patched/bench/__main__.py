@@ -1,12 +1,11 @@
 """python -m mlx_lm_patched.bench COMMAND [options]
 
-COMMAND: memory, quantized, soak, prompt_cache, e2e, attention, disk, slack
-or all.
 Each command runs the module of its name (``python -m
 mlx_lm_patched.bench.<command>`` does the same); ``all`` runs ``memory``
 with the options given, then ``quantized`` with its defaults.
 """
 
+import functools
 import importlib
 import sys
 
@@ -32,7 +31,7 @@ def run_all(argv):
 
 
 COMMANDS = {
-    **{name: lambda argv, name=name: run(name, argv) for name in MODULES},
+    **{name: functools.partial(run, name) for name in MODULES},
     "all": run_all,
 }
 
@@ -41,6 +40,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
+        print(f"COMMAND: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     COMMANDS[argv[0]](argv[1:])
     return 0

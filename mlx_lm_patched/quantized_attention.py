@@ -16,9 +16,9 @@ call (Metal's reads them in place). One attention call of a 232-token
 chunk over 999 8-bit keys (8 heads over 2, bfloat16, CPU) peaked at 4.25
 MiB this way against 5.03 (bfloat16 through fused attention: 4.22); a
 small llama's 8-bit ``KVCache`` prefill peak fell from 1.005x to 0.905x
-the bfloat16 one's. Head dims that no group size divides
-are zero-padded by ``QuantizedKVCache`` (keys and values alike); the
-queries are padded to match and the padding dropped from the output.
+the bfloat16 one's. Head dims that no group size divides are zero-padded
+by ``QuantizedKVCache`` (keys and values alike); the queries are padded to
+match and the padding dropped from the output.
 
 On MLX's CUDA backend ``mx.quantized_matmul`` has no kernel for a cache's
 keys and values (slices of a larger buffer: ``[quantized_matmul] No

@@ -18,6 +18,7 @@ from . import (
     bounded_attention,
     generate_kv_checks,
     host_export,
+    kvcache_pipeline,
     max_kv_size,
     negative_trim,
     prompt_cache_disk,
@@ -64,6 +65,7 @@ PATCHES: List[_registry.Patch] = [
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
     server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
+    kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
 ]
 _registry.check_disjoint(PATCHES)
 

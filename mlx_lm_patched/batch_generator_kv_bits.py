@@ -7,13 +7,17 @@ caches (ml-explore/mlx-lm#118, #126). Here it takes ``kv_bits``,
 meaning: after every model call, prefill chunk or decode step alike, a
 batch's cache is quantized once its longest row (padding included) has
 ``quantized_kv_start`` tokens, so a batch of one gives the tokens
-``generate_step`` gives. ``_extend_cache`` quantizes a batch joining a
+``generate_step`` gives. The call that takes a cache there quantizes each
+layer as it writes it (``_QuantizeOnWrite``): attention still sees that
+call's update in full precision, and the call never holds every layer's
+full-precision cache. ``_extend_cache`` quantizes a batch joining a
 quantized one.
 """
 
 import functools
 from typing import List, Optional, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
@@ -24,20 +28,21 @@ from ._registry import Patch, Target, class_patch, pasted_into
 
 
 def maybe_quantize_batch_cache(
-    prompt_cache, quantized_kv_start, kv_group_size, kv_bits
+    prompt_cache, coming, quantized_kv_start, kv_group_size, kv_bits
 ):
-    """``maybe_quantize_kv_cache`` for a batch: a cache is quantized once its
-    timeline (its longest row, padding included) has ``quantized_kv_start``
-    columns, read on the host so that decoding never waits for it."""
+    """``maybe_quantize_kv_cache`` for a batch, before a model call adding
+    ``coming`` columns: a cache that call takes to ``quantized_kv_start``
+    columns (its longest row, padding included; read on the host, so that
+    decoding never waits for it) is quantized as the call writes it."""
     if kv_bits is None:
         return
     _check_kv_quantization(kv_bits, kv_group_size)
     for e, c in enumerate(prompt_cache):
-        if not hasattr(c, "to_quantized") or hasattr(c, "bits") or c.empty():
+        if not hasattr(c, "to_quantized") or hasattr(c, "bits"):
             continue
         columns = c._offset if hasattr(c, "_offset") else c._idx
-        if columns >= quantized_kv_start:
-            prompt_cache[e] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+        if columns + coming >= quantized_kv_start:
+            prompt_cache[e] = _QuantizeOnWrite(c, kv_group_size, kv_bits)
 
 
 def _extend_cache(cache_a, cache_b):
@@ -53,17 +58,49 @@ def _extend_cache(cache_a, cache_b):
     return cache_a
 
 
+class _QuantizeOnWrite:
+    """A layer's cache that a model call takes past ``quantized_kv_start``.
+    Its attention sees the update in full precision, as after that call
+    ``to_quantized`` would find it, but the layer keeps the quantized copy
+    from there on: a chunk never holds every layer's full-precision cache
+    (on an H100, a 4 x 2,048-token chunk of a Llama-8B shape: 1 GiB)."""
+
+    def __init__(self, cache, group_size, bits):
+        self.cache, self.quantized = cache, None
+        self.quantize = {"group_size": group_size, "bits": bits}
+
+    def update_and_fetch(self, keys, values):
+        cache = self.cache
+        out = cache.update_and_fetch(keys, values)
+        self.quantized = cache.to_quantized(**self.quantize)
+        cache.keys = cache.values = None  # this layer's attention holds them
+        if keys.shape[2] >= 256:  # with the update, as ``_pipeline`` does
+            try:
+                mx.async_eval(self.quantized.keys, self.quantized.values)
+            except ValueError:  # a graph transformation
+                pass
+        return out
+
+    def __getattr__(self, name):  # not ``bits``: attention stays full precision
+        return getattr(self.cache, name)
+
+
 class _QuantizingModel:
-    """``model``, calling ``quantize`` on the cache after every call."""
+    """``model``, its caches quantized as a call takes them past
+    ``quantized_kv_start``."""
 
     def __init__(self, model: nn.Module, quantize):
         self.model = model
         self.quantize = quantize
 
-    def __call__(self, *args, cache=None, **kwargs):
-        out = self.model(*args, cache=cache, **kwargs)
-        self.quantize(cache)
-        return out
+    def __call__(self, inputs, cache=None, **kwargs):
+        self.quantize(cache, inputs.shape[1])
+        try:
+            return self.model(inputs, cache=cache, **kwargs)
+        finally:
+            for e, c in enumerate(cache):
+                if isinstance(c, _QuantizeOnWrite):
+                    cache[e] = c.cache if c.quantized is None else c.quantized
 
     def __getattr__(self, name):
         return getattr(self.model, name)
@@ -140,6 +177,7 @@ PATCH = Patch(
         Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), None)
         for name, f in (
             ("maybe_quantize_batch_cache", maybe_quantize_batch_cache),
+            ("_QuantizeOnWrite", _QuantizeOnWrite),
             ("_QuantizingModel", _QuantizingModel),
         )
     ]
@@ -170,6 +208,7 @@ PATCH = Patch(
             "deque",
             "functools",
             "generation_stream",
+            "mx",
             "greedy_sampler",
             "maybe_set_recommended_wired_limit",
             "nn",

@@ -84,6 +84,7 @@ class BatchQuantizedKVCache(BatchKVCache):
         self._idx += S
         for c, x in zip(self.keys + self.values, keys + values):
             c[..., prev : self._idx, :] = x
+        _pipeline(self.keys + self.values, S)
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -423,10 +424,9 @@ class _QuantizedKVCache:
 
 class _BatchKVCache:
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        mx.eval(self.left_padding)
-        cache = BatchQuantizedKVCache(
-            self.left_padding.tolist(), group_size=group_size, bits=bits
-        )
+        B = self.left_padding.shape[0]
+        cache = BatchQuantizedKVCache([0] * B, group_size=group_size, bits=bits)
+        cache.left_padding = mx.array(self.left_padding)  # on the device: no sync
         cache.offset, cache._idx = mx.array(self.offset), self._idx
         if self._right_padding is not None:
             cache._right_padding = mx.array(self._right_padding)

@@ -115,11 +115,13 @@ class BatchRotatingKVCache:
         idx = self._idx if self._idx < self.max_size else self.keep
         return [(idx, self.max_size), (self.keep, idx)]
 
-    def _allocate(self, keys, values):
-        """Allocate the ring, moving in any state saved in another layout."""
+    def _allocate(self, keys, values, slots=None):
+        """Allocate the ring (or its first ``slots``), moving in any state
+        saved in another layout."""
         B, H, _, Dk = keys.shape
-        k = mx.zeros((B, H, self.max_size, Dk), keys.dtype)
-        v = mx.zeros((B, H, self.max_size, values.shape[3]), values.dtype)
+        slots = self.max_size if slots is None else slots
+        k = mx.zeros((B, H, slots, Dk), keys.dtype)
+        v = mx.zeros((B, H, slots, values.shape[3]), values.dtype)
         if self.keys is not None and self.keep:  # our own, saved linear
             k, v = _put(k, self.keys, [0]), _put(v, self.values, [0])
         elif self.keys is not None:  # upstream's layout, rolled or longer
@@ -268,7 +270,11 @@ class BatchRotatingKVCache:
                 "finalize() should be called before decoding with BatchRotatingKVCache"
             )
         _check_update(self, keys, values)
-        if self.keys is None or self.keys.shape[2] != self.max_size:
+        if self.keys is None and S > self.max_size - self.keep:
+            # Past an empty ring: only its sinks are read, then it is copied
+            # anew (a whole ring a layer less in flight).
+            self._allocate(keys, values, self.keep)
+        elif self.keys is None or self.keys.shape[2] != self.max_size:
             self._allocate(keys, values)
         if self.keep and self._fewest < self.keep:
             self._update_sinks(keys, values)

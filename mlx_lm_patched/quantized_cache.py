@@ -14,6 +14,8 @@ Here the cache:
   ``nbytes`` is what the buffers hold;
 - allocates once when told the final length (``reserve``), else grows by half
   its capacity, writing the old tokens into the new buffers (no concatenate);
+  a chunk of 256 tokens or more is pipelined a layer at a time, as
+  ``KVCache``'s (``kvcache_pipeline``);
 - saves upstream's five-item ``state``, which plain mlx-lm reads, and reads
   the quantized dtype and head dims back off the arrays, so
   ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
@@ -161,9 +163,8 @@ class _QuantizedKVCache:
                 capacity = (capacity + self.step - 1) // self.step * self.step
             if self.keys is not None:
                 self._resize(capacity)
-            elif capacity == num_steps:
-                self.keys, self.values, self.offset = keys, values, end
-                return self.keys_and_values()
+            elif capacity == num_steps:  # the update is the buffer
+                self.keys, self.values = keys, values
             else:
                 self.keys, self.values = tree_map(
                     lambda x: mx.zeros((B, n_kv_heads, capacity, x.shape[-1]), x.dtype),
@@ -171,10 +172,11 @@ class _QuantizedKVCache:
                 )
 
         self.offset = end
-        for i in range(len(self.keys)):
-            self.keys[i][..., prev : self.offset, :] = keys[i]
-            self.values[i][..., prev : self.offset, :] = values[i]
-
+        if self.keys is not keys:
+            for i in range(len(self.keys)):
+                self.keys[i][..., prev : self.offset, :] = keys[i]
+                self.values[i][..., prev : self.offset, :] = values[i]
+        _pipeline((*self.keys, *self.values), num_steps)
         return self.keys_and_values()
 
     def size(self):
@@ -332,6 +334,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
     ),
+    requires=("rotating_prealloc",),  # _pipeline
     uses={
         "mlx_lm.models.cache": (
             "KVCache",

@@ -263,7 +263,9 @@ def python(*args, env=None):
 
 
 def fake_backend(monkeypatch, name):
-    """Make MLX look like it runs ``name`` ("cpu", "cuda", "metal") by default."""
+    """Make MLX look like it runs ``name`` ("cpu", "cuda", "metal") by default;
+    CUDA's chain of quantized attentions starts afresh (no previous layer)."""
+    getattr(sys.modules["mlx_lm.models.base"], "_previous_attention", []).clear()
     gpu = name != "cpu"
     monkeypatch.setattr(
         mx, "default_device", lambda: mx.Device(mx.gpu if gpu else mx.cpu)

@@ -1,10 +1,13 @@
 """BatchGenerator(kv_bits=...): batched rows quantize when their single
 streams do and give their tokens."""
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from ringref import PROMPTS, single_stream
+
+from mlx_lm_patched import tiny
 
 
 @pytest.mark.parametrize(
@@ -70,3 +73,34 @@ def test_a_batch_of_one_quantizes_when_generate_step_does(
     tokens = out.token_ids[0]
     assert tokens == want[: len(tokens)]
     assert len(tokens) == 60 or want[len(tokens)] in tokenizer.eos_token_ids
+
+
+def test_the_call_that_quantizes_a_batch_holds_no_layer_s_full_precision_cache(
+    patched, exact_active_memory
+):
+    """A prefill chunk that takes the caches to ``quantized_kv_start``
+    attends over its update in full precision but keeps each layer's
+    quantized copy only: its peak is below the bfloat16 batch's by at least
+    half its 16 layers' bfloat16 caches (holding them to the end of the
+    call, it is above it: 22.4 against 21.8 layers' worth)."""
+    config = tiny.model_config(
+        "llama", num_hidden_layers=16, head_dim=128, num_key_value_heads=2
+    )
+    model = tiny.build_model(config, dtype="bfloat16")
+    prompts = [list(range(1, 301)), list(range(2, 302))]
+
+    def first_chunk_peak(**kw):
+        gen = BatchGenerator(model, max_tokens=1, prefill_step_size=512, **kw)
+        mx.synchronize()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        gen.insert(prompts)
+        gen.next_generated()
+        peak = mx.get_peak_memory() - before
+        gen.close()
+        return peak
+
+    bf16 = first_chunk_peak()
+    quantized = first_chunk_peak(kv_bits=4, quantized_kv_start=0)
+    layer = 2 * 2 * 2 * 512 * 128 * 2  # keys and values of 2 rows, 512 columns
+    assert quantized < bf16 - 8 * layer

@@ -151,6 +151,25 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
     assert len(evals) == len(sizes)  # buffers_through's own, one an update
 
 
+@pytest.mark.parametrize("lengths", [None, [40, 37, 30]])
+def test_a_first_chunk_past_the_ring_allocates_no_ring_it_then_copies_away(
+    monkeypatch, lengths
+):
+    """An empty ring that the first update runs past is read only for its
+    sinks: it allocates those, and the ring it keeps is the copy of the
+    newest columns (a BatchGenerator prefill's first chunk: a ring a layer
+    less in flight). Left-padded or right-padded rows alike."""
+    cache = BatchRotatingKVCache(32, left_padding=[0, 3, 10], keep=4)
+    if lengths:
+        cache = BatchRotatingKVCache(32, left_padding=[0] * 3, keep=4)
+        cache.prepare(lengths=lengths, right_padding=[40 - n for n in lengths])
+    zeros, allocate = [], mx.zeros
+    monkeypatch.setattr(mx, "zeros", lambda s, *a: zeros.append(s) or allocate(s, *a))
+    cache.update_and_fetch(*random_kv(3, 2, 40, 8))
+    assert zeros[:2] == [(3, 2, 4, 8)] * 2  # the sinks of keys and values
+    assert cache.keys.shape == cache.values.shape == (3, 2, 32, 8)
+
+
 def test_right_padding_is_rolled_in_one_copy_per_run_of_rows_rolled_alike(
     monkeypatch,
 ):

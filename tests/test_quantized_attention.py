@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
-from ringref import active, fake_backend, random_kv, same, single_stream
+from ringref import (
+    active,
+    fake_backend,
+    pipeline_calls,
+    random_kv,
+    same,
+    single_stream,
+)
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -102,15 +109,24 @@ def test_cuda_attends_over_dequantized_keys_without_quantized_matmul(
     assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_cuda_evaluates_a_prefill_chunk_s_attention_not_a_decode_step_s(monkeypatch):
+def test_cuda_schedules_each_attention_and_waits_for_the_previous_one(monkeypatch):
+    """Prefill chunk or decode step, a call's output is scheduled with a
+    one-element marker; each call then waits for the previous call's marker,
+    never for its own output."""
     keys, values = (mx.quantize(x, 64, 8) for x in random_kv(1, 2, 96, 64))
     fake_backend(monkeypatch, "cuda")
-    calls, evaluate = [], mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *a: calls.append(a) or evaluate(*a))
+    calls = pipeline_calls(monkeypatch)
     for L in (1, 2, 1):
         queries = mx.ones((1, 8, L, 64))
         quantized_scaled_dot_product_attention(queries, keys, values, 0.1, None)
-    assert len(calls) == 1
+    out, marker = (1, 8, 1, 64), (1, 1, 1, 1)
+    assert calls == [
+        ("async_eval", [out, marker]),
+        ("async_eval", [(1, 8, 2, 64), marker]),
+        ("eval", [marker]),
+        ("async_eval", [out, marker]),
+        ("eval", [marker]),
+    ]
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])
@@ -172,7 +188,7 @@ def test_blocked_quantized_attention_holds_about_its_budget():
     assert blocked <= whole / 2
 
 
-@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 1)])
+@pytest.mark.parametrize("name, evals", [("cpu", 0), ("metal", 4), ("cuda", 0)])
 def test_each_backend_s_road_and_its_evals(monkeypatch, name, evals):
     """CPU: chained blocks, no eval; Metal: blocks of a power of two queries,
     each evaluated; CUDA: dequantized keys through fused attention, the

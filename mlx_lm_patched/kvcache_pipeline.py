@@ -1,0 +1,83 @@
+"""``KVCache`` and ``BatchKVCache``: a long chunk is pipelined a layer at a time.
+
+Upstream's unbounded caches write a prefill chunk lazily, so MLX evaluates
+the chunk's whole graph at once, every layer's transients in flight
+together: on an H100 (Llama-8B shape, 2048-token chunks) 5.6-11 GiB above
+the cache itself, and a ``BatchGenerator`` chunk of 4 x 2,048 tokens
+10.3 GiB. Here their ``update_and_fetch`` ends with the rings' ``_pipeline``
+(``rotating_prealloc``): an update of 256 tokens or more is scheduled and
+waits for the previous layer's, so about two layers are in flight. Decode
+steps and short chunks are untouched; under ``mx.compile`` it does nothing.
+"""
+
+from ._registry import Patch, Target, class_patch, pasted_into
+
+
+# Written as they would read in mlx_lm/models/cache.py, and run there.
+def _grow(cache, keys, values, prev):
+    """Give ``cache.keys``/``values`` room for ``keys``/``values`` from
+    column ``prev``, in ``cache.step``-column steps (upstream's growth)."""
+    if cache.keys is None or (prev + keys.shape[2]) > cache.keys.shape[2]:
+        B, n_kv_heads, _, k_head_dim = keys.shape
+        v_head_dim = values.shape[3]
+        n_steps = (cache.step + keys.shape[2] - 1) // cache.step
+        k_shape = (B, n_kv_heads, n_steps * cache.step, k_head_dim)
+        v_shape = (B, n_kv_heads, n_steps * cache.step, v_head_dim)
+        new_k = mx.zeros(k_shape, keys.dtype)
+        new_v = mx.zeros(v_shape, values.dtype)
+        if cache.keys is not None:
+            if prev % cache.step != 0:
+                cache.keys = cache.keys[..., :prev, :]
+                cache.values = cache.values[..., :prev, :]
+            cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
+            cache.values = mx.concatenate([cache.values, new_v], axis=2)
+        else:
+            cache.keys, cache.values = new_k, new_v
+
+
+class KVCache:
+    def update_and_fetch(self, keys, values):
+        prev = self.offset
+        _grow(self, keys, values, prev)
+        self.offset += keys.shape[2]
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+        _pipeline((self.keys, self.values), keys.shape[2])
+        return self.keys_and_values()
+
+
+class BatchKVCache:
+    def update_and_fetch(self, keys, values):
+        prev = self._idx
+        _grow(self, keys, values, prev)
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        self.keys[..., prev : self._idx, :] = keys
+        self.values[..., prev : self._idx, :] = values
+        _pipeline((self.keys, self.values), keys.shape[2])
+        return self.keys_and_values()
+
+
+PATCH = Patch(
+    "kvcache_pipeline",
+    "KVCache, BatchKVCache: a chunk of 256 tokens or more is pipelined a layer "
+    "at a time",
+    [
+        Target(
+            "mlx_lm.models.cache",
+            "_grow",
+            pasted_into("mlx_lm.models.cache", _grow),
+            None,
+        )
+    ]
+    + class_patch(
+        "mlx_lm.models.cache:KVCache", KVCache, {"update_and_fetch": "fdb2f83dcae5"}
+    )
+    + class_patch(
+        "mlx_lm.models.cache:BatchKVCache",
+        BatchKVCache,
+        {"update_and_fetch": "e4f881b89926"},
+    ),
+    requires=("rotating_prealloc",),
+    uses={"mlx_lm.models.cache": ("mx",)},
+)

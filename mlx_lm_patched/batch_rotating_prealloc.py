@@ -170,8 +170,8 @@ class BatchRotatingKVCache:
             t += b - a
 
     def _rolled_ring(self, sources, sinks, runs, count):
-        """A new ring from ``sources`` (keys, values): the sinks from columns
-        ``[sinks, sinks + keep)``, then the last ``count`` of the columns in
+        """A new ring from ``sources`` (keys, values): their ``sinks`` (keys,
+        values), then the last ``count`` of the columns in
         ``runs`` (source ranges, oldest first) once each row rolls the right
         padding it has consumed to its left. The rolls are known on the host
         (``_padded``): slices, one per run of neighbouring rows rolled alike,
@@ -198,10 +198,10 @@ class BatchRotatingKVCache:
                 copies.append((lo, hi, a, b, at))
                 at += b - a
         out = []
-        for src in sources:
+        for src, sink in zip(sources, sinks):
             B, H, _, D = src.shape
             ring = mx.zeros((B, H, self.max_size, D), src.dtype)
-            ring = _put(ring, src[..., sinks : sinks + self.keep, :], [0])
+            ring = _put(ring, sink, [0])
             for lo, hi, a, b, at in copies:
                 ring = _put(ring, src[lo:hi, :, a:b], [lo, at], (0, 2))
             out.append(ring)
@@ -227,24 +227,34 @@ class BatchRotatingKVCache:
         # first token.
         live = self._runs()
         drop = n - m if self._lengths is not None else 0
-        runs = [
-            *self._columns(live, n - m - drop, n - m),
-            (0, self.keep),
-            *self._columns(live, n - m, n),
-        ]
-        seen = [
-            mx.concatenate([c[..., a:b, :] for a, b in runs if a < b] + [x], axis=2)
-            for c, x in ((self.keys, keys), (self.values, values))
-        ]
+        lead = self.keep  # the sinks' columns before the live ones in ``seen``
+        if n == 0:
+            # Nothing live: attention reads the update as it is, each row's
+            # sinks in place (``make_mask``), no copy of it with the sinks
+            # ahead (a ring's worth a layer in flight, a BatchGenerator's
+            # first chunk).
+            seen, lead = [keys, values], 0
+            sinks = [c[..., : self.keep, :] for c in (self.keys, self.values)]
+        else:
+            runs = [
+                *self._columns(live, n - m - drop, n - m),
+                (0, self.keep),
+                *self._columns(live, n - m, n),
+            ]
+            seen = [
+                mx.concatenate([c[..., a:b, :] for a, b in runs if a < b] + [x], 2)
+                for c, x in ((self.keys, keys), (self.values, values))
+            ]
+            sinks = [c[..., drop : drop + self.keep, :] for c in seen]
         self._offset += S
         self.offset = self.offset + S
         if self._lengths is None:
             self.keys, self.values = (
-                _sinks_and_newest(c, self.keep, self.max_size) for c in seen
+                _sinks_and_newest(k, c, self.max_size) for k, c in zip(sinks, seen)
             )
         else:  # dropped, live and new columns, the sinks after the dropped
-            runs = [(0, drop), (drop + self.keep, seen[0].shape[2])]
-            self.keys, self.values = self._rolled_ring(seen, drop, runs, window)
+            runs = [(0, drop), (drop + lead, seen[0].shape[2])]
+            self.keys, self.values = self._rolled_ring(seen, sinks, runs, window)
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
@@ -260,7 +270,7 @@ class BatchRotatingKVCache:
                 self, tuple(c[..., drop:, :] for c in seen), self._offset + self.keep
             )
         first = self._offset - S - m + self.keep
-        source = (*seen, first, lambda p: p - first + self.keep)
+        source = (*seen, first, lambda p: p - first + lead)
         return _hold(self, tuple(seen), self._offset + self.keep, source)
 
     def update_and_fetch(self, keys, values):
@@ -333,9 +343,9 @@ class BatchRotatingKVCache:
             # nothing left to roll, the ring is in order as it stands.
             if self.keys is not None and any(self._rolls()):
                 n = min(self._offset, self.max_size - self.keep)
-                self.keys, self.values = self._rolled_ring(
-                    (self.keys, self.values), 0, self._runs(), n
-                )
+                held = (self.keys, self.values)
+                sinks = [c[..., : self.keep, :] for c in held]
+                self.keys, self.values = self._rolled_ring(held, sinks, self._runs(), n)
                 self._idx = self.keep + n
                 self.rotated = False
                 self._reset_undo(self.slack)
@@ -459,6 +469,15 @@ class BatchRotatingKVCache:
         window = min(window_size or self.max_size, self.max_size) - self.keep
         columns = self.max_size - self.keep
         n = min(self._offset, columns)
+        if n == 0 and N > columns:
+            # The update alone, its first ``keep`` real columns the sinks
+            # (``_update_past_ring``).
+            left_padding = mx.expand_dims(self.left_padding, (1, 2, 3))
+            column = mx.arange(N)
+            linds = column[:, None]
+            mask = (column <= linds) & (column >= left_padding)
+            sinks = column < left_padding + self.keep
+            return mask & ((linds < column + window) | sinks)
         wraps = N == 1 and self._offset >= columns
         if wraps:
             # One token written over the oldest column of the full window.

@@ -24,6 +24,7 @@ from ringref import (
     fake_backend,
     pipeline_calls,
     random_kv,
+    same,
 )
 
 import mlx_lm_patched
@@ -155,18 +156,21 @@ def test_a_chunk_past_the_ring_leaves_a_ring_of_the_same_size_without_sync(
 def test_a_first_chunk_past_the_ring_allocates_no_ring_it_then_copies_away(
     monkeypatch, lengths
 ):
-    """An empty ring that the first update runs past is read only for its
-    sinks: it allocates those, and the ring it keeps is the copy of the
-    newest columns (a BatchGenerator prefill's first chunk: a ring a layer
-    less in flight). Left-padded or right-padded rows alike."""
+    """An empty ring that the first update runs past allocates only its
+    sinks, attention reads the update as it is (its sinks in place, not a
+    copy with the sinks ahead), and the ring it keeps is the copy of the
+    sinks and the newest columns (a BatchGenerator prefill's first chunk:
+    two rings a layer less in flight). Left-padded or right-padded rows."""
     cache = BatchRotatingKVCache(32, left_padding=[0, 3, 10], keep=4)
     if lengths:
         cache = BatchRotatingKVCache(32, left_padding=[0] * 3, keep=4)
         cache.prepare(lengths=lengths, right_padding=[40 - n for n in lengths])
     zeros, allocate = [], mx.zeros
     monkeypatch.setattr(mx, "zeros", lambda s, *a: zeros.append(s) or allocate(s, *a))
-    cache.update_and_fetch(*random_kv(3, 2, 40, 8))
+    keys, values = random_kv(3, 2, 40, 8)
+    seen = cache.update_and_fetch(keys, values)
     assert zeros[:2] == [(3, 2, 4, 8)] * 2  # the sinks of keys and values
+    assert same(seen[0], keys) and same(seen[1], values)
     assert cache.keys.shape == cache.values.shape == (3, 2, 32, 8)
 
 

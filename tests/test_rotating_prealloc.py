@@ -265,6 +265,19 @@ def test_under_compile_a_long_chunk_is_not_pipelined():
     assert same(mx.compile(forward)(tokens), forward(tokens))
 
 
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_first_chunk_past_the_ring_is_attended_as_it_is(keep):
+    """Nothing held yet: attention reads the update itself, not a copy of
+    it, and the ring keeps a copy of its sinks and newest tokens."""
+    cache = RotatingKVCache(32, keep=keep)
+    keys, values = random_kv(1, 2, 40, 8)
+    seen = cache.update_and_fetch(keys, values)
+    assert seen[0] is keys and seen[1] is values
+    newest = slice(40 - 32 + keep, 40)
+    assert same(cache.keys[..., keep:, :], keys[..., newest, :])
+    assert same(cache.keys[..., :keep, :], keys[..., :keep, :])
+
+
 def test_nbytes_is_the_ring_from_the_first_update_on():
     cache = RotatingKVCache(32)
     assert cache.nbytes == 0

@@ -17,22 +17,19 @@ from ._registry import Patch, Target, class_patch, pasted_into
 def _grow(cache, keys, values, prev):
     """Give ``cache.keys``/``values`` room for ``keys``/``values`` from
     column ``prev``, in ``cache.step``-column steps (upstream's growth)."""
-    if cache.keys is None or (prev + keys.shape[2]) > cache.keys.shape[2]:
-        B, n_kv_heads, _, k_head_dim = keys.shape
-        v_head_dim = values.shape[3]
-        n_steps = (cache.step + keys.shape[2] - 1) // cache.step
-        k_shape = (B, n_kv_heads, n_steps * cache.step, k_head_dim)
-        v_shape = (B, n_kv_heads, n_steps * cache.step, v_head_dim)
-        new_k = mx.zeros(k_shape, keys.dtype)
-        new_v = mx.zeros(v_shape, values.dtype)
-        if cache.keys is not None:
-            if prev % cache.step != 0:
-                cache.keys = cache.keys[..., :prev, :]
-                cache.values = cache.values[..., :prev, :]
-            cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
-            cache.values = mx.concatenate([cache.values, new_v], axis=2)
-        else:
-            cache.keys, cache.values = new_k, new_v
+    if cache.keys is not None and prev + keys.shape[2] <= cache.keys.shape[2]:
+        return
+    n = (cache.step + keys.shape[2] - 1) // cache.step * cache.step
+    new = [mx.zeros((*x.shape[:2], n, x.shape[3]), x.dtype) for x in (keys, values)]
+    if cache.keys is None:
+        cache.keys, cache.values = new
+        return
+    held = [
+        x[..., :prev, :] if prev % cache.step else x for x in (cache.keys, cache.values)
+    ]
+    cache.keys, cache.values = (
+        mx.concatenate([h, z], axis=2) for h, z in zip(held, new)
+    )
 
 
 class KVCache:

@@ -23,6 +23,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
 from ._registry import Patch, Target, class_patch, pasted_into
+from .rotating_prealloc import _pipeline
 
 # Written as they would read in mlx_lm/generate.py, and run there.
 
@@ -74,11 +75,10 @@ class _QuantizeOnWrite:
         out = cache.update_and_fetch(keys, values)
         self.quantized = cache.to_quantized(**self.quantize)
         cache.keys = cache.values = None  # this layer's attention holds them
-        if keys.shape[2] >= 256:  # with the update, as ``_pipeline`` does
-            try:
-                mx.async_eval(self.quantized.keys, self.quantized.values)
-            except ValueError:  # a graph transformation
-                pass
+        # Scheduled with a long chunk's update (``[]``: waiting for nothing).
+        q = self.quantized  # a batch ring packs its keys (and values) in one array
+        held = [q.keys, q.values] if isinstance(q.keys, mx.array) else q.keys + q.values
+        _pipeline(held, keys.shape[2], [])
         return out
 
     def __getattr__(self, name):  # not ``bits``: attention stays full precision
@@ -182,6 +182,13 @@ PATCH = Patch(
         )
     ]
     + [
+        # Imported from mlx_lm/models/cache.py.
+        Target(
+            "mlx_lm.generate",
+            "_pipeline",
+            pasted_into("mlx_lm.models.cache", _pipeline),
+            None,
+        ),
         Target(
             "mlx_lm.generate",
             "_extend_cache",
@@ -192,7 +199,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
     ),
-    requires=("batch_quantized", "generate_kv_checks"),
+    requires=("rotating_prealloc", "batch_quantized", "generate_kv_checks"),
     uses={
         "mlx_lm.generate": (
             "BatchCounters",

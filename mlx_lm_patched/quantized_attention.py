@@ -30,7 +30,7 @@ fraction of an unquantized cache) and go through fused attention
 2048-query x 6143-key call (32 heads, head dim 128) over 8-bit keys took
 1.8 ms and 80 MiB, against 7.5 ms and 800 MiB for upstream's road where its
 kernel exists (contiguous keys). Each layer's attention there is scheduled
-and waits for the previous layer's (``_chain``): unsynced, a GPU runs far
+and waits for the previous layer's (``_schedule``): unsynced, a GPU runs far
 behind the host, and a decode step's 32 layers were all in flight, each
 with its dequantized keys (Llama-8B shape, 16,000 8-bit tokens: a step
 peaked at 5.07 GiB above the weights, 1.56 chained, against 2.94 for the
@@ -47,26 +47,8 @@ from mlx.utils import tree_map
 
 from ._registry import Patch, Target, pasted_into
 
-# The one-element marker of the last attention ``_chain`` scheduled.
+# The marker of the last layer's attention scheduled on CUDA (``_schedule``).
 _previous_attention = []
-
-
-def _chain(out):
-    """Schedule a layer's attention over its dequantized keys and wait for
-    the previous layer's: a GPU runs far behind the host, and every layer it
-    has not finished holds its dequantized keys and values. On an H100 (32
-    layers, 8 KV heads of 128, a decode step's attention alone) unchained
-    steps held 0.98 / 2.6 / 5.1 GiB at 6,000 / 16,000 / 32,000 4-bit keys,
-    chained 0.09 / 0.24 / 0.48, in less time (2.6 against 3.3 ms at 6,000).
-    Under ``mx.compile`` it does nothing."""
-    marker = out[:1, :1, :1, :1] * 1  # owns its one element
-    try:
-        mx.async_eval(out, marker)
-    except ValueError:  # a graph transformation: nothing can be evaluated
-        return
-    waiting, _previous_attention[:] = _previous_attention[:], [marker]
-    if waiting:
-        mx.eval(*waiting)
 
 
 def quantized_scaled_dot_product_attention(
@@ -97,7 +79,13 @@ def quantized_scaled_dot_product_attention(
         if width > D:
             keys, values = keys[..., :D], values[..., :D]
         out = scaled_dot_product_attention(queries, keys, values, None, scale, mask)
-        _chain(out)
+        # Each layer's attention waits for the previous layer's: unchained,
+        # a GPU runs far behind the host and every layer it has not finished
+        # holds its dequantized keys. On an H100 (32 layers, 8 KV heads of
+        # 128, a decode step's attention alone) unchained steps held 0.98 /
+        # 2.6 / 5.1 GiB at 6,000 / 16,000 / 32,000 4-bit keys, chained 0.09 /
+        # 0.24 / 0.48, in less time (2.6 against 3.3 ms at 6,000).
+        _schedule((out,), _previous_attention)
         return out
 
     queries *= scale
@@ -187,18 +175,12 @@ PATCH = Patch(
         Target("mlx_lm.models.base", "_previous_attention", _previous_attention, None),
         Target(
             "mlx_lm.models.base",
-            "_chain",
-            pasted_into("mlx_lm.models.base", _chain),
-            None,
-        ),
-        Target(
-            "mlx_lm.models.base",
             "quantized_scaled_dot_product_attention",
             quantized_scaled_dot_product_attention,
             "f42bc5d03992",
         ),
     ],
-    requires=("bounded_attention",),
+    requires=("rotating_prealloc", "bounded_attention"),  # _schedule
     uses={
         "mlx_lm.models.base": (
             "Optional",

@@ -103,29 +103,34 @@ def _sinks_and_newest(sinks, columns, max_size):
     return mx.concatenate([sinks, columns[..., start:, :]], axis=2)
 
 
-# The marker of the last layer ``_pipeline`` scheduled.
-_previous_layer = []
-
-
-def _pipeline(arrays, chunk):
-    """Schedule a layer's update of a ``chunk`` of 256 tokens or more
-    (``mx.async_eval`` of ``arrays``) and wait for the previous layer's: the
-    host stays a layer ahead of the device, the chunk's graph is not all in
-    flight at once. Lazily, MLX runs every layer's ring copy last and holds
-    every layer's transients until then. On an H100 (Llama-8B shape, ring
-    4096, 2048-token chunks, 16,000 tokens) a chunk past the ring peaked at
-    1.1 GiB instead of 6.4, the prefill in 0.51 s against 0.53 (an
-    ``mx.eval`` a layer: 20% slower). Under ``mx.compile`` it does nothing."""
-    if chunk < 256:
-        return
+def _schedule(arrays, chain: list):
+    """Schedule ``arrays`` (``mx.async_eval``, with a one-element marker) and
+    wait for the marker ``chain`` holds, the arrays scheduled on it before:
+    the host stays one step ahead of the device, whose work is not all in
+    flight at once. Under ``mx.compile`` it does nothing."""
     marker = arrays[-1][:1, :1, :1, :1] * 1  # owns its one element
     try:
         mx.async_eval(*arrays, marker)
     except ValueError:  # a graph transformation: nothing can be evaluated
         return
-    waiting, _previous_layer[:] = _previous_layer[:], [marker]
+    waiting, chain[:] = chain[:], [marker]
     if waiting:
         mx.eval(*waiting)
+
+
+# The marker of the last layer ``_pipeline`` scheduled.
+_previous_layer = []
+
+
+def _pipeline(arrays, chunk, chain=_previous_layer):
+    """Schedule a layer's update of a ``chunk`` of 256 tokens or more (its
+    ``arrays``) and wait for the previous layer's: lazily, MLX runs every
+    layer's ring copy last and holds every layer's transients until then.
+    On an H100 (Llama-8B shape, ring 4096, 2048-token chunks, 16,000 tokens)
+    a chunk past the ring peaked at 1.1 GiB instead of 6.4, the prefill in
+    0.51 s against 0.53 (an ``mx.eval`` a layer: 20% slower)."""
+    if chunk >= 256:
+        _schedule(arrays, chain)
 
 
 def _hold(cache, fetched, offset, source=None):
@@ -437,6 +442,12 @@ PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
     [
+        # Written as it reads in mlx_lm/models/base.py; cache.py imports it.
+        Target(module, "_schedule", pasted_into("mlx_lm.models.base", _schedule), None)
+        for module in ("mlx_lm.models.base", "mlx_lm.models.cache")
+    ]
+    + [Target("mlx_lm.models.cache", "_previous_layer", _previous_layer, None)]
+    + [
         Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
         for name, f in (
             ("_check_update", _check_update),
@@ -448,7 +459,6 @@ PATCH = Patch(
             ("_hold", _hold),
         )
     ]
-    + [Target("mlx_lm.models.cache", "_previous_layer", _previous_layer, None)]
     + class_patch(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
@@ -473,10 +483,5 @@ PATCH = Patch(
             "_update_in_place": "72480bc8fe40",
         },
     ),
-    uses={
-        "mlx_lm.models.cache": (
-            "Optional",
-            "mx",
-        )
-    },
+    uses={"mlx_lm.models.base": ("mx",), "mlx_lm.models.cache": ("Optional", "mx")},
 )

@@ -75,14 +75,16 @@ def test_a_batch_of_one_quantizes_when_generate_step_does(
     assert len(tokens) == 60 or want[len(tokens)] in tokenizer.eos_token_ids
 
 
+@pytest.mark.parametrize("max_kv_size", [None, 256])
 def test_the_call_that_quantizes_a_batch_holds_no_layer_s_full_precision_cache(
-    patched, exact_active_memory
+    patched, exact_active_memory, max_kv_size
 ):
     """A prefill chunk that takes the caches to ``quantized_kv_start``
     attends over its update in full precision but keeps each layer's
     quantized copy only: its peak is below the bfloat16 batch's by at least
     half its 16 layers' bfloat16 caches (holding them to the end of the
-    call, it is above it: 22.4 against 21.8 layers' worth)."""
+    call, it is above it: 22.4 against 21.8 layers' worth). With a ring the
+    chunk runs past it, and the quantized ring packs its keys."""
     config = tiny.model_config(
         "llama", num_hidden_layers=16, head_dim=128, num_key_value_heads=2
     )
@@ -90,7 +92,9 @@ def test_the_call_that_quantizes_a_batch_holds_no_layer_s_full_precision_cache(
     prompts = [list(range(1, 301)), list(range(2, 302))]
 
     def first_chunk_peak(**kw):
-        gen = BatchGenerator(model, max_tokens=1, prefill_step_size=512, **kw)
+        gen = BatchGenerator(
+            model, max_tokens=1, prefill_step_size=512, max_kv_size=max_kv_size, **kw
+        )
         mx.synchronize()
         mx.reset_peak_memory()
         before = mx.get_active_memory()
@@ -102,5 +106,6 @@ def test_the_call_that_quantizes_a_batch_holds_no_layer_s_full_precision_cache(
 
     bf16 = first_chunk_peak()
     quantized = first_chunk_peak(kv_bits=4, quantized_kv_start=0)
-    layer = 2 * 2 * 2 * 512 * 128 * 2  # keys and values of 2 rows, 512 columns
+    columns = max_kv_size or 512
+    layer = 2 * 2 * 2 * columns * 128 * 2  # keys and values of 2 rows
     assert quantized < bf16 - 8 * layer

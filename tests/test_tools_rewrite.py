@@ -11,6 +11,7 @@ import types
 import unittest
 from pathlib import Path
 
+import isort
 import mlx.core as mx
 import mlx_lm.models.cache as upstream_cache
 import pytest
@@ -226,6 +227,38 @@ def test_imports_and_values_are_written_as_source(sdist, tmp_path):
     )
     limit = text.index("_LIMIT = 1 << 20  # written as source, not as 1048576\n")
     assert limit < text.index("def _log_size(cache):")
+
+
+def _twice(x):
+    """A helper written for base.py, imported by cache.py and generate.py."""
+    return x * 2
+
+
+def test_a_function_pasted_into_another_module_is_imported_from_it(sdist, tmp_path):
+    twice = _registry.pasted_into("mlx_lm.models.base", _twice)
+    targets = [Target(m, "_twice", twice, None) for m in ("mlx_lm.models.base", CACHE)]
+    targets.append(Target("mlx_lm.generate", "_twice_cached", twice, None))
+    with pytest.raises(GenerateError, match="no 'from .models.base import'"):
+        generate([Patch("helper", "x", targets)], sdist, tmp_path)
+    twice_cached = _registry.pasted_into(CACHE, _twice)
+    targets[-1] = Target("mlx_lm.generate", "_twice", twice_cached, None)
+    series = generate([Patch("helper", "x", targets)], sdist, tmp_path)
+    base, cache, gen = (
+        series.final[f"mlx_lm/{name}.py"]
+        for name in ("models/base", "models/cache", "generate")
+    )
+    assert base.count("def _twice(x):") == 1
+    assert "def _twice" not in cache and "def _twice" not in gen
+    assert "\nfrom .base import _twice, create_causal_mask\n" in cache
+    imports = gen[gen.index("from .models.cache import (") :]
+    imports = imports[: imports.index(")\n") + 2]
+    assert imports.splitlines()[1:4] == [
+        "    QuantizedKVCache,",
+        "    TokenBuffer,",
+        "    _twice,",
+    ]
+    for text in (cache, gen):  # as upstream's isort and black write it
+        assert isort.code(text, profile="black") == text
 
 
 class NewCache:

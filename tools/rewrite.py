@@ -5,8 +5,9 @@ A replaced attribute's definition (decorators, property getter and setter
 included) gives way to the replacement's source; a new method goes next to
 its neighbours in the patch's namespace class; a new module-level object
 goes before the first definition that uses it (a module target is an
-``import`` among the first block of imports; any other value is its
-assignment in the patch's file); a removed one goes.
+``import`` among the first block of imports; a function pasted into another
+upstream module is a name added to the file's ``from`` import of it; any
+other value is its assignment in the patch's file); a removed one goes.
 """
 
 import ast
@@ -282,11 +283,54 @@ def _reads(node: ast.AST, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
 
+def imported_from(t: Target) -> Optional[str]:
+    """The module ``t``'s function is pasted into, where that is another
+    module of ``t``'s package: ``t`` is imported from there."""
+    own = split_owner(t.owner)[0]
+    home = t.new.__module__ if inspect.isfunction(t.new) else own
+    same_package = home.partition(".")[0] == own.partition(".")[0]
+    return home if same_package and home != own else None
+
+
+def _names_key(name: str) -> Tuple[int, str]:
+    """isort's order of the names of a ``from`` import: constants, classes,
+    then the rest, each without regard to case."""
+    kind = 0 if name.isupper() and len(name) > 1 else 1 if name[:1].isupper() else 2
+    return kind, name.lower()
+
+
+def _add_import(text: str, own: str, home: str, name: str) -> str:
+    """``text`` (module ``own``) with ``name`` added to its relative ``from``
+    import of module ``home``, written as black and isort write it."""
+    package = own.rpartition(".")[0]
+    relative = home[len(package) + 1 :] if home.startswith(package + ".") else ""
+    found = [
+        n
+        for n in parse(text).body
+        if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module == relative
+    ]
+    if not found:
+        raise GenerateError(f"{own} has no 'from .{relative} import' to add {name} to")
+    node, lines = found[0], lines_of(text)
+    names = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
+    names = sorted(names + [name], key=_names_key)
+    head = f"from .{relative} import "
+    new = [head + ", ".join(names) + "\n"]
+    if node.end_lineno > node.lineno or len(new[0]) > 89:  # 88 and its newline
+        new = [head + "(\n"] + [f"    {n},\n" for n in names] + [")\n"]
+    lines[node.lineno - 1 : node.end_lineno] = new
+    return "".join(lines)
+
+
 def _place_module_level(text: str, t: Target, origin=None) -> str:
     """Insert a new module-level object before the first statement using it
-    (an import after the imports at the top)."""
+    (an import after the imports at the top, or in the ``from`` import of the
+    module it comes from)."""
     if find_definitions(text, None, t.attr) or _imports(text, t.attr):
         return text
+    home = imported_from(t)
+    if home:
+        return _add_import(text, split_owner(t.owner)[0], home, t.attr)
     lines = lines_of(text)
     new = replacement_lines(t.new, t.attr, "", origin)
     if isinstance(t.new, types.ModuleType):

@@ -173,43 +173,38 @@ def interleaved_decode(model, args, prompt, blocks=48, steps=16):
     """Upstream's ring and the patched one decoding side by side: each
     prefilled under its own side, then ``blocks`` blocks of ``steps`` steps,
     the sides alternating (ABBA), so both see the same drift of the device's
-    clocks; the median step of each side, in ms. Half the blocks run with
-    upstream's side prefilled first, half with the patched side first: on
-    CPU the side prefilled second decoded its same graph 1-2% slower. Each
-    block starts on an idle device with one untimed step (the token
-    ``generate_step`` computed ahead). ``paired``: the median over
-    neighbouring blocks of the ratio of their median steps (patched over
-    upstream), with a bootstrap 95% interval: whether the two sides differ
-    by more than the noise."""
+    clocks; the median step of each side, in ms. Each block starts on an
+    idle device with one untimed step (the token ``generate_step`` computed
+    ahead). ``paired``: the median over neighbouring blocks of the ratio of
+    their median steps (patched over upstream), with a bootstrap 95%
+    interval: whether the two sides differ by more than the noise."""
     sides = {"upstream": _switch("none"), "patched": _switch()}
-    times = {name: [] for name in sides}
-    for first in sides:
-        order = sorted(sides, key=lambda name: name != first)
-        gens = {}
-        for name in order:
+    gens, times = {}, {}
+    for name, switch in sides.items():
+        with switch():
+            gens[name] = generate_step(
+                prompt,
+                model,
+                max_tokens=blocks * (steps + 1) + 1,
+                prompt_cache=_caches(args, "rotating"),
+                sampler=lambda x: mx.argmax(x, axis=-1),
+                prefill_step_size=args.chunk,
+            )
+            next(gens[name])
+        times[name] = []
+    for b in range(blocks):
+        for name in list(sides)[:: 1 if b % 2 else -1]:
             with sides[name]():
-                gens[name] = generate_step(
-                    prompt,
-                    model,
-                    max_tokens=blocks // 2 * (steps + 1) + 1,
-                    prompt_cache=_caches(args, "rotating"),
-                    sampler=lambda x: mx.argmax(x, axis=-1),
-                    prefill_step_size=args.chunk,
-                )
+                mx.synchronize()
                 next(gens[name])
-        for b in range(blocks // 2):
-            for name in order[:: 1 if b % 2 else -1]:
-                with sides[name]():
-                    mx.synchronize()
+                tic = time.perf_counter()
+                for _ in range(steps):
                     next(gens[name])
-                    tic = time.perf_counter()
-                    for _ in range(steps):
-                        next(gens[name])
-                        toc = time.perf_counter()
-                        times[name].append(toc - tic)
-                        tic = toc
-        del gens
-        _fresh()
+                    toc = time.perf_counter()
+                    times[name].append(toc - tic)
+                    tic = toc
+    del gens
+    _fresh()
     out = {name: 1e3 * float(np.median(t)) for name, t in times.items()}
     per_block = {
         k: np.median(np.reshape(t, (blocks, steps)), 1) for k, t in times.items()

@@ -68,6 +68,7 @@ PATCHES: List[_registry.Patch] = [
     kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
 ]
 _registry.check_disjoint(PATCHES)
+_registry.check_requires(PATCHES)
 
 
 def _select(names) -> List[_registry.Patch]:

@@ -3,9 +3,13 @@
 A ``Patch`` is a named set of ``Target``s. Each target names an attribute of
 an upstream class or module, the object that replaces it, and the source
 fingerprint of the upstream object it was written against (``None`` for an
-attribute upstream does not have). A target whose upstream source changed is
-never overridden silently: the patch is skipped with a ``PatchDriftWarning``,
-or ``PatchDriftError`` with ``strict=True``.
+attribute upstream does not have), read from ``bases.json`` (``_merge``).
+Where the installed source differs, our change is merged onto it three ways;
+a target that cannot be merged is never overridden silently: the patch is
+set aside with a ``PatchDriftWarning`` (``PatchDriftError`` with
+``strict=True``), and so are the patches that need an object it provides.
+A patch's new module-level helpers stay installed for the patches that use
+them.
 """
 
 import builtins
@@ -19,7 +23,10 @@ import types
 import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _merge
+from ._merge import MergeConflict
 
 UPSTREAM_VERSION = "0.32.2"
 
@@ -54,14 +61,21 @@ def fingerprint(obj: Any) -> str:
 
 _MISSING = object()
 REMOVED = object()  # ``Target.new`` for an upstream attribute a patch deletes
+FROM_BASES = object()  # ``Target.fingerprint``: the one ``bases.json`` records
 
 
 @dataclass(frozen=True)
 class Target:
-    owner: str  # dotted path: "mlx_lm.models.cache.RotatingKVCache"
+    owner: str  # "mlx_lm.models.cache:RotatingKVCache", or a module
     attr: str
     new: Any
-    fingerprint: Optional[str]  # None: upstream has no such attribute
+    # The upstream source it was written against; None: upstream has none.
+    fingerprint: Optional[str] = FROM_BASES  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.fingerprint is FROM_BASES:
+            entry = _merge.bases().get(self.name, {})
+            object.__setattr__(self, "fingerprint", entry.get("fingerprint"))
 
     def resolve_owner(self):
         module, _, rest = self.owner.partition(":")
@@ -87,23 +101,57 @@ class Target:
     def key(self) -> Tuple[str, str]:
         return (self.owner, self.attr)
 
-    def drift(self) -> Optional[str]:
-        """Why this target no longer matches upstream, or ``None``."""
+    @property
+    def name(self) -> str:
+        """``mlx_lm.models.cache:RotatingKVCache.trim`` (``_merge.base_key``)."""
+        return _merge.base_key(self.owner, self.attr)
+
+    def resolve(self) -> Tuple[Any, str]:
+        """``(object to install, how)``: ``new`` as written where upstream has
+        the source it was written for, else ours merged onto upstream's
+        (``"merged"``). Raises ``MergeConflict`` saying why it cannot."""
         try:
             current = self.upstream()
         except (ImportError, AttributeError) as e:
-            return f"{self.owner} is missing ({e})"
-        where = f"{self.owner.replace(':', '.')}.{self.attr}"
+            raise MergeConflict(f"{self.owner} is missing ({e})") from None
+        where = self.name.replace(":", ".")
         if self.fingerprint is None:
-            return None if current is _MISSING else f"{where} now exists upstream"
+            if current is _MISSING:
+                return self.new, "new"
+            raise MergeConflict(f"{where} now exists upstream")
         if current is _MISSING:
-            return f"{where} is missing upstream"
+            raise MergeConflict(f"{where} is missing upstream")
         found = fingerprint(current)
-        if found != self.fingerprint:
-            return (
-                f"{where} changed (fingerprint {found}, written for {self.fingerprint})"
-            )
-        return None
+        if found == self.fingerprint:
+            return self.new, "as written"
+        changed = (
+            f"{where} changed (fingerprint {found}, written for {self.fingerprint})"
+        )
+        edits = _merge.bases().get(self.name, {}).get("delta")
+        if self.new is REMOVED or edits is None:
+            raise MergeConflict(changed)
+        ours = source_of(self.new)
+        base = "".join(_merge.rebuild(ours.splitlines(True), edits))
+        if fingerprint_source(base) != self.fingerprint:
+            raise MergeConflict(f"{changed}; bases.json is out of date")
+        merged = _merge.merge(base, ours, source_of(current), where)
+        fn = _merge.functions(self.new)[0]
+        owner = self.resolve_owner()
+        cls = owner if inspect.isclass(owner) else None
+        new = _merge.compile_merged(merged, fn.__globals__, cls, fn.__name__, where)
+        gone = _unbound(new, fn.__globals__)
+        if gone:
+            raise MergeConflict(f"{where} uses {gone}, which upstream no longer has")
+        return new, "merged"
+
+    def drift(self) -> Optional[str]:
+        """How this target meets upstream, where not as written: merged onto
+        changed source, or why it cannot be; ``None`` where as written."""
+        try:
+            how = self.resolve()[1]
+        except MergeConflict as e:
+            return str(e)
+        return None if how in ("new", "as written") else f"{self.name} merged"
 
 
 @dataclass
@@ -111,10 +159,17 @@ class Patch:
     name: str
     summary: str
     targets: List[Target] = field(default_factory=list)
+    # Objects (``Target.name``) or patches this one needs besides the objects
+    # of other patches its code reads (``requirements``).
     requires: Tuple[str, ...] = ()
     # Per upstream module, the names the patch's code takes from its namespace
     # (pasted code runs there): checked to exist before the patch is applied.
     uses: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for t in self.targets:
+            if ":" not in t.owner and t.fingerprint is None:
+                _adds.setdefault(t.owner, set()).add(t.attr)
 
     def missing_uses(self) -> List[str]:
         """The declared upstream names the installed mlx-lm lacks."""
@@ -139,17 +194,21 @@ def _global_reads(code: types.CodeType) -> set:
 
 
 def _functions(obj) -> List[types.FunctionType]:
-    """The functions that run ``obj``'s code: itself, a property's accessors,
-    a class's methods."""
-    if isinstance(obj, property):
-        return [f for f in (obj.fget, obj.fset) if f is not None]
-    if isinstance(obj, (classmethod, staticmethod)):
-        return [obj.__func__]
-    if isinstance(obj, types.FunctionType):
-        return [obj]
-    if inspect.isclass(obj):
-        return [f for v in vars(obj).values() for f in _functions(v)]
-    return []
+    return _merge.functions(obj)
+
+
+def _unbound(obj, namespace: dict) -> List[str]:
+    """Global names ``obj``'s code reads that ``namespace`` does not bind and
+    no patch adds to it (upstream removed them)."""
+    module = namespace.get("__name__")
+    reads = set().union(*(_global_reads(f.__code__) for f in _functions(obj)))
+    return sorted(
+        n
+        for n in reads
+        if n not in namespace
+        and n not in vars(builtins)
+        and n not in _adds.get(module, ())
+    )
 
 
 def undeclared_uses(patches: List[Patch]) -> Dict[str, List[str]]:
@@ -217,34 +276,48 @@ def cache_class(module: str, namespace: type, *bases: type) -> type:
 def class_patch(
     owner: str,
     namespace: type,
-    fingerprints: Dict[str, Optional[str]],
-    removes: Dict[str, str] = {},
+    fingerprints: Optional[Dict[str, Optional[str]]] = None,
+    removes: Sequence[str] = (),
 ):
     """Targets for every attribute defined in ``namespace``'s body.
 
     ``namespace`` is a plain class written like the upstream class it patches
-    (``owner`` is ``"module:Class"``); ``fingerprints`` must name each of its
-    attributes, so nothing is replaced without a recorded upstream source.
-    ``removes`` maps upstream methods the patch makes dead to their fingerprints.
-    Methods are pasted into the owner's module (see ``pasted_into``).
+    (``owner`` is ``"module:Class"``); the upstream source each attribute
+    replaces is recorded in ``bases.json`` (``fingerprints``, where given,
+    must name each attribute instead). ``removes`` names the upstream methods
+    the patch makes dead. Methods are pasted into the owner's module (see
+    ``pasted_into``).
     """
     names = [n for n in vars(namespace) if not n.startswith("__") or n == "__init__"]
-    if sorted(names) != sorted(fingerprints):
+    if fingerprints is not None and sorted(names) != sorted(fingerprints):
         raise ValueError(
             f"{namespace.__name__}: fingerprints for {sorted(fingerprints)} "
             f"but it defines {sorted(names)}"
         )
     module = owner.partition(":")[0]
+    prints = fingerprints or {}
     targets = [
-        Target(owner, n, pasted_into(module, vars(namespace)[n]), fingerprints[n])
+        Target(
+            owner,
+            n,
+            pasted_into(module, vars(namespace)[n]),
+            prints.get(n, FROM_BASES) if fingerprints is not None else FROM_BASES,
+        )
         for n in names
     ]
-    return targets + [Target(owner, n, REMOVED, f) for n, f in removes.items()]
+    return targets + [Target(owner, n, REMOVED) for n in removes]
 
 
+# module -> the names patches add to it (upstream has none)
+_adds: Dict[str, set] = {}
 # (owner, attr) -> the upstream object, or _MISSING where upstream had none
 _saved: Dict[Tuple[str, str], Any] = {}
-_applied: Dict[str, Patch] = {}
+# (owner, attr) -> the object installed there (ours, or ours merged)
+_installed: Dict[Tuple[str, str], Any] = {}
+# Per patch with anything installed, in apply order: its installed targets.
+_patches: Dict[str, List[Target]] = {}
+_applied: Dict[str, Patch] = {}  # the patches installed whole
+_merged: Dict[str, List[str]] = {}  # per applied patch, its targets merged
 
 
 def _importers(owner, attr: str, obj) -> List[Any]:
@@ -258,7 +331,7 @@ def _importers(owner, attr: str, obj) -> List[Any]:
     ]
 
 
-def _set(target: Target):
+def _set(target: Target, new: Any):
     owner = target.resolve_owner()
     original = (
         owner.__dict__.get(target.attr, _MISSING)
@@ -267,21 +340,23 @@ def _set(target: Target):
     )
     if inspect.ismodule(owner) and original is not _MISSING:
         for mod in _importers(owner, target.attr, original):
-            setattr(mod, target.attr, target.new)
+            setattr(mod, target.attr, new)
     # The first original is kept: two patches never share a target.
     _saved.setdefault(target.key, original)
-    if target.new is REMOVED:
+    _installed[target.key] = new
+    if new is REMOVED:
         delattr(owner, target.attr)
     else:
-        setattr(owner, target.attr, target.new)
+        setattr(owner, target.attr, new)
 
 
 def _unset(target: Target):
     original = _saved.pop(target.key)
+    new = _installed.pop(target.key)
     owner = target.resolve_owner()
     if inspect.ismodule(owner) and original is not _MISSING:
         # Modules imported while patched bound the replacement too.
-        for mod in _importers(owner, target.attr, target.new):
+        for mod in _importers(owner, target.attr, new):
             setattr(mod, target.attr, original)
     if original is _MISSING:
         delattr(owner, target.attr)
@@ -319,21 +394,78 @@ def check_disjoint(patches: List[Patch]):
                 )
 
 
+def check_requires(patches: List[Patch]):
+    """Raise if a patch requires what no patch before it provides."""
+    known: set = set()
+    for patch in patches:
+        unknown = [r for r in patch.requires if r not in known]
+        if unknown:
+            raise ValueError(f"patch {patch.name!r} requires unknown {unknown}")
+        known |= {patch.name} | {t.name for t in patch.targets}
+
+
+def _is_helper(t: Target) -> bool:
+    """A new module-level object that is not a class: inert until called, it
+    stays installed for the patches that use it when its own patch cannot."""
+    return ":" not in t.owner and t.fingerprint is None and not inspect.isclass(t.new)
+
+
+def _needs(targets: List[Target]) -> List[str]:
+    """The objects (``Target.name``) other patches add that ``targets``' code
+    reads."""
+    own = {t.key for t in targets}
+    out = set()
+    for t in targets:
+        for fn in _functions(t.new):
+            module = fn.__globals__.get("__name__")
+            out.update(
+                _merge.base_key(module, n)
+                for n in _global_reads(fn.__code__)
+                if n in _adds.get(module, ()) and (module, n) not in own
+            )
+    return sorted(out)
+
+
+def requirements(patch: Patch) -> List[str]:
+    """What ``patch`` needs: its ``requires`` (patches or objects, by name)
+    and the objects of other patches its code reads."""
+    return sorted(set(patch.requires) | set(_needs(patch.targets)))
+
+
+def _is_installed(name: str) -> bool:
+    """A patch installed whole, or an object (``Target.name``) installed."""
+    return name in _applied or any(_merge.base_key(*k) == name for k in _installed)
+
+
 def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
-    """Apply ``patches`` in order; return the names that are applied now."""
+    """Apply ``patches`` in order; return the names that are applied now.
+
+    A patch whose targets cannot all be installed (a conflict with the
+    installed upstream, a name it uses gone, an object it needs not
+    installed) is set aside whole with one warning saying why; its helpers
+    (``_is_helper``) stay installed where their own needs are met."""
     check_disjoint(
         list(_applied.values()) + [p for p in patches if p.name not in _applied]
     )
     for patch in patches:
         if patch.name in _applied:
             continue
-        problems = [d for t in patch.targets if (d := t.drift())]
-        problems += patch.missing_uses()
+        resolved, problems, helper_problems = {}, [], []
+        helpers = [t for t in patch.targets if _is_helper(t)]
+        for t in patch.targets:
+            try:
+                resolved[t.key] = t.resolve()
+            except MergeConflict as e:
+                (helper_problems if t in helpers else problems).append(str(e))
+        problems += helper_problems + patch.missing_uses()
+        own = {t.name for t in patch.targets}
         problems += [
-            f"needs patch {r!r}, which is not applied"
-            for r in patch.requires
-            if r not in _applied
+            f"needs {r}, which is not applied"
+            for r in requirements(patch)
+            if r not in own and not _is_installed(r)
         ]
+        # Alone, the helpers must find what they read installed already.
+        helper_problems += [r for r in _needs(helpers) if not _is_installed(r)]
         if problems:
             msg = (
                 f"mlx_lm_patched: patch {patch.name!r} not applied "
@@ -342,30 +474,50 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
             )
             if strict:
                 raise PatchDriftError(msg)
+            if helpers and not helper_problems:
+                for t in helpers:
+                    if t.key not in _installed:
+                        _set(t, resolved[t.key][0])
+                _patches[patch.name] = helpers
+                msg += f" (its helpers {[t.attr for t in helpers]} stay installed)"
             warnings.warn(msg, PatchDriftWarning, stacklevel=3)
             continue
         for t in patch.targets:
-            _set(t)
+            if t.key not in _installed:
+                _set(t, resolved[t.key][0])
+        _patches[patch.name] = list(patch.targets)
         _applied[patch.name] = patch
+        _merged[patch.name] = [
+            t.name for t in patch.targets if resolved[t.key][1] == "merged"
+        ]
     return list(_applied)
 
 
 def dependents(names) -> List[str]:
-    """The applied patches that need any of ``names``, directly or not."""
-    needed, found = set(names), []
-    for patch in _applied.values():  # in apply order: requirements come first
-        if patch.name not in needed and needed & set(patch.requires):
-            needed.add(patch.name)
-            found.append(patch.name)
+    """The installed patches that need any of ``names`` or of the objects
+    they provide, directly or not."""
+    gone = set(names)
+    for name in names:
+        gone.update(t.name for t in _patches.get(name, ()))
+    found = []
+    for name, targets in _patches.items():  # in apply order
+        patch = _applied.get(name)
+        needs = set(requirements(patch) if patch else _needs(targets))
+        if name not in gone and needs & gone:
+            found.append(name)
+            gone.add(name)
+            gone.update(t.name for t in targets)
     return found
 
 
 def revert_patches(patches: List[Patch]) -> List[str]:
     """Put back the upstream objects, last applied first; patches that need
     a reverted one are reverted with it. Returns the names reverted."""
-    names = [p.name for p in patches if p.name in _applied]
+    names = [p.name for p in patches if p.name in _patches]
     names += dependents(names)
-    for name in reversed([n for n in _applied if n in names]):
-        for t in reversed(_applied.pop(name).targets):
+    for name in reversed([n for n in _patches if n in names]):
+        for t in reversed(_patches.pop(name)):
             _unset(t)
+        _applied.pop(name, None)
+        _merged.pop(name, None)
     return names

@@ -199,7 +199,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
     ),
-    requires=("rotating_prealloc", "batch_quantized", "generate_kv_checks"),
+    requires=("mlx_lm.models.cache:BatchKVCache.to_quantized",),
     uses={
         "mlx_lm.generate": (
             "BatchCounters",

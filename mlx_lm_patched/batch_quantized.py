@@ -510,7 +510,10 @@ PATCH = Patch(
         _BatchRotatingKVCache,
         {"to_quantized": "1c90dcd384db"},
     ),
-    requires=("batch_rotating_prealloc", "quantized_cache", "quantized_ring"),
+    requires=(
+        "mlx_lm.models.cache:BatchRotatingKVCache.state",
+        "mlx_lm.models.cache:QuantizedKVCache.state",
+    ),
     uses={
         "mlx_lm.models.cache": (
             "BatchKVCache",

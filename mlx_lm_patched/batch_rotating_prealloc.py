@@ -689,7 +689,7 @@ PATCH = Patch(
             "_update_in_place": "9fa8087f4909",
         },
     ),
-    requires=("rotating_prealloc",),
+    requires=("mlx_lm.models.cache:RotatingKVCache.state",),  # merge, extract
     uses={
         "mlx_lm.models.cache": (
             "List",

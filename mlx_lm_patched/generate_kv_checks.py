@@ -199,7 +199,7 @@ PATCH = Patch(
             ("main", main, "1830d4c1a9b7"),
         )
     ],
-    requires=("quantized_cache",),  # QuantizedKVCache.quantizes_with
+    requires=("mlx_lm.models.cache:QuantizedKVCache.quantizes_with",),
     uses={
         "mlx_lm.generate": (
             "DEFAULT_MODEL",

@@ -125,7 +125,6 @@ PATCH = Patch(
             None,
         ),
     ],
-    requires=("prompt_cache_files",),
     uses={
         "mlx_lm.models.cache": (
             "Any",

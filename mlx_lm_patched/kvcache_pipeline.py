@@ -75,6 +75,5 @@ PATCH = Patch(
         BatchKVCache,
         {"update_and_fetch": "e4f881b89926"},
     ),
-    requires=("rotating_prealloc",),
     uses={"mlx_lm.models.cache": ("mx",)},
 )

@@ -292,7 +292,7 @@ PATCH = Patch(
         Target("mlx_lm.models.cache", "DiskPromptCache", DiskPromptCache, None),
         Target("mlx_lm.models.cache", "DiskLRUPromptCache", DiskLRUPromptCache, None),
     ],
-    requires=("host_export", "prompt_cache_store"),
+    requires=("mlx_lm.models.cache:LRUPromptCache._evict",),
     uses={
         "mlx_lm.models.cache": (
             "Any",

@@ -154,7 +154,7 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:BatchKVCache", BatchKVCache, {"_check_state": None}
     ),
-    requires=("rotating_prealloc",),  # its _stored
+    requires=("mlx_lm.models.cache:RotatingKVCache._check_state",),
     uses={
         "mlx_lm.models.cache": (
             "Any",

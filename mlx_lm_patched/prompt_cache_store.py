@@ -172,7 +172,10 @@ PATCH = Patch(
             "_evict": None,
         },
     ),
-    requires=("rotating_prealloc", "ring_trim_slack"),  # can_trim_prompt_cache(c, n)
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache.state",
+        "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)
+    ),
     uses={
         "mlx_lm.models.cache": (
             "Any",

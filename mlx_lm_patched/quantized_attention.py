@@ -180,7 +180,7 @@ PATCH = Patch(
             "f42bc5d03992",
         ),
     ],
-    requires=("rotating_prealloc", "bounded_attention"),  # _schedule
+    requires=("mlx_lm.models.base:scaled_dot_product_attention",),
     uses={
         "mlx_lm.models.base": (
             "Optional",

@@ -334,7 +334,6 @@ PATCH = Patch(
     + class_patch(
         "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
     ),
-    requires=("rotating_prealloc",),  # _pipeline
     uses={
         "mlx_lm.models.cache": (
             "KVCache",

@@ -226,7 +226,10 @@ PATCH = Patch(
         _RotatingKVCache,
         {"to_quantized": "09de7569e6f4"},
     ),
-    requires=("rotating_prealloc", "quantized_cache"),
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache.state",
+        "mlx_lm.models.cache:QuantizedKVCache.state",
+    ),
     uses={
         "mlx_lm.models.cache": (
             "Optional",

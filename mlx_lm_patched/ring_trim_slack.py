@@ -77,6 +77,6 @@ PATCH = Patch(
             ("trim_prompt_cache", trim_prompt_cache, "bec42e4c8029"),
         )
     ],
-    requires=("rotating_prealloc",),  # RotatingKVCache.trimmable_tokens
+    requires=("mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",),
     uses={"mlx_lm.models.cache": ("Any", "List", "Optional")},
 )

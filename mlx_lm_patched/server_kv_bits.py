@@ -291,7 +291,7 @@ PATCH = Patch(
         ResponseGenerator,
         {"_is_batchable": "329f82e54a80", "_generate": "1531444ae206"},
     ),
-    requires=("batch_generator_kv_bits",),
+    requires=("mlx_lm.generate:BatchGenerator.__init__",),  # kv_bits
     uses={
         "mlx_lm.server": (
             "BatchGenerator",

@@ -273,7 +273,10 @@ PATCH = Patch(
         ResponseGenerator,
         {"_log_cache_stats": "a6d82893f10d"},
     ),
-    requires=("prompt_cache_store", "prompt_cache_disk"),
+    requires=(
+        "mlx_lm.models.cache:LRUPromptCache.trim_to",
+        "mlx_lm.models.cache:DiskLRUPromptCache",
+    ),
     uses={
         "mlx_lm.server": (
             "APIHandler",

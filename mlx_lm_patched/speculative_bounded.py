@@ -165,7 +165,10 @@ PATCH = Patch(
             ("stream_generate", stream_generate, "0a7c19bf2e86"),
         )
     ],
-    requires=("rotating_prealloc", "ring_trim_slack"),
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",
+        "mlx_lm.models.cache:trim_prompt_cache",
+    ),
     uses={
         "mlx_lm.generate": (
             "Generator",

@@ -1,0 +1,125 @@
+"""A change, not a copy: each patched upstream function merged onto the
+installed source, three ways, as ``git merge-file`` does.
+
+For every upstream function or method a patch changes, ``bases.json`` keeps
+the fingerprint of the source it was written against and the lines where
+that source differs from ours (``python -m tools patches`` writes it from
+the pinned release), so the base is rebuilt from our code. Where the
+installed mlx-lm has that source, ours is installed as it is. Where it has
+other source, base, ours and theirs are merged with ``merge3`` and the
+result is compiled in upstream's module, registered with ``linecache`` so
+tracebacks show it. Only a real conflict (upstream changed lines we change,
+or removed the object) sets the object aside.
+"""
+
+import functools
+import json
+import linecache
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import merge3
+
+BASES_FILE = Path(__file__).with_name("bases.json")
+
+
+class MergeConflict(Exception):
+    """Upstream changed lines a patch changes too."""
+
+
+@functools.lru_cache(maxsize=None)
+def bases() -> Dict[str, dict]:
+    """``{key: {"fingerprint": ..., "delta": ...}}`` (see ``base_key``)."""
+    if not BASES_FILE.exists():
+        return {}
+    return json.loads(BASES_FILE.read_text())["objects"]
+
+
+def base_key(owner: str, attr: str) -> str:
+    """``mlx_lm.models.cache:RotatingKVCache.trim``, ``mlx_lm.generate:main``."""
+    return f"{owner}.{attr}" if ":" in owner else f"{owner}:{attr}"
+
+
+def delta(ours: Sequence[str], base: Sequence[str]) -> List[list]:
+    """The edits that turn ``ours`` back into ``base``: ``[start, end, lines]``,
+    our lines ``[start, end)`` replaced by base's ``lines``."""
+    import difflib
+
+    ops = difflib.SequenceMatcher(None, ours, base, autojunk=False).get_opcodes()
+    return [[i1, i2, list(base[j1:j2])] for op, i1, i2, j1, j2 in ops if op != "equal"]
+
+
+def rebuild(ours: Sequence[str], edits: Sequence[list]) -> List[str]:
+    """The base source, from ours and its ``delta``."""
+    out, at = [], 0
+    for start, end, lines in edits:
+        out += ours[at:start] + list(lines)
+        at = end
+    return out + list(ours[at:])
+
+
+def merge(base: str, ours: str, theirs: str, where: str) -> str:
+    """``ours`` merged onto ``theirs``; ``MergeConflict`` names the lines both
+    sides changed (1-based, in the base source)."""
+    b, o, t = (s.splitlines(True) for s in (base, ours, theirs))
+    out, conflicts = [], []
+    for region in merge3.Merge3(b, o, t).merge_regions():
+        kind, *span = region
+        if kind == "unchanged":
+            out += b[span[0] : span[1]]
+        elif kind in ("a", "same"):
+            out += o[span[0] : span[1]]
+        elif kind == "b":
+            out += t[span[0] : span[1]]
+        else:
+            z0, z1, a0, a1, t0, t1 = span
+            conflicts.append(
+                f"base lines {z0 + 1}-{z1}: ours {''.join(o[a0:a1]).strip()!r}, "
+                f"upstream now {''.join(t[t0:t1]).strip()!r}"
+            )
+    if conflicts:
+        raise MergeConflict(f"{where}: " + "; ".join(conflicts))
+    return "".join(out)
+
+
+def compile_merged(
+    source: str, namespace: dict, cls: Optional[type], name: str, where: str
+) -> Any:
+    """The object ``source`` defines as ``name``, compiled in ``namespace``
+    (an upstream module's); the source is kept in ``linecache`` under a file
+    name saying what it is. A method using ``super()`` is compiled in a class
+    body and bound to ``cls``."""
+    wrap = cls is not None and "super(" in source
+    if wrap:
+        source = f"class {cls.__name__}:\n" + "".join(
+            "    " + line if line.strip() else line for line in source.splitlines(True)
+        )
+    filename = f"<mlx_lm_patched: {where}, merged>"
+    lines = source.splitlines(True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    local: Dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace, local)
+    if not wrap:
+        return local[name]
+    obj = vars(local[cls.__name__])[name]
+    for fn in functions(obj):
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            if var == "__class__":
+                cell.cell_contents = cls
+        fn.__qualname__ = f"{cls.__qualname__}.{fn.__name__}"
+    return obj
+
+
+def functions(obj) -> List[types.FunctionType]:
+    """The functions that run ``obj``'s code: itself, a property's accessors,
+    a class's methods."""
+    if isinstance(obj, property):
+        return [f for f in (obj.fget, obj.fset) if f is not None]
+    if isinstance(obj, (classmethod, staticmethod)):
+        return [obj.__func__]
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    if isinstance(obj, type):
+        return [f for v in vars(obj).values() for f in functions(v)]
+    return []

@@ -54,7 +54,7 @@ check-patches: venv
 	$(PYTHON) -m tools check-patches
 
 vendor: venv
-	$(PYTHON) -m tools vendor
+	$(PYTHON) -m tools vendor $(if $(VERSION),--version $(VERSION))
 
 upstream-test: venv
 	$(PYTHON) -m tools test

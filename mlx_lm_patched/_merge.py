@@ -74,9 +74,10 @@ def merge(base: str, ours: str, theirs: str, where: str) -> str:
             out += t[span[0] : span[1]]
         else:
             z0, z1, a0, a1, t0, t1 = span
+            now = " / ".join(line.strip() for line in t[t0:t1] if line.strip())
             conflicts.append(
-                f"base lines {z0 + 1}-{z1}: ours {''.join(o[a0:a1]).strip()!r}, "
-                f"upstream now {''.join(t[t0:t1]).strip()!r}"
+                f"base lines {z0 + 1}-{z1} changed by both (ours: lines "
+                f"{a0 + 1}-{a1}; upstream now: {now[:160]!r})"
             )
     if conflicts:
         raise MergeConflict(f"{where}: " + "; ".join(conflicts))

@@ -310,7 +310,7 @@ def test_the_first_original_is_kept_when_a_target_is_set_again(probe):
     original = ChunkedKVCache.__dict__["maybe_trim_front"]
     target = next(t for t in probe.targets if t.attr == "maybe_trim_front")
     _registry.apply_patches([probe], strict=True)
-    _registry._set(target)  # as a second patch of the same attribute would
+    _registry._set(target, target.new)  # as a second patch of the same one would
     assert _registry.get_original(OWNER, "maybe_trim_front") is original
     _registry.revert_patches([probe])
     assert ChunkedKVCache.__dict__["maybe_trim_front"] is original

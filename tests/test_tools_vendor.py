@@ -176,7 +176,7 @@ def compare_vendored(tmp_path: Path, patch_dir: Path, patches: list):
     from mlx_lm_patched import tiny
 
     try:
-        wheel = build_wheel(tmp_path / "dist", patch_dir)
+        wheel, _ = build_wheel(tmp_path / "dist", patch_dir)
     except RuntimeError as e:
         if "No matching distribution" in str(e) or "connection" in str(e).lower():
             pytest.skip(f"package index unreachable, no build backend: {e}")

@@ -3,10 +3,12 @@
 - ``patches``: write ``patches/`` (``series``) from ``PATCHES``.
 - ``check-patches [--no-suite]``: fail if ``patches/`` is stale, does not
   apply, or does not pass upstream's suite as patched source (``check``).
-- ``vendor [--out DIR]``: build the patched mlx-lm wheel (``vendor``).
+- ``vendor [--out DIR] [--version V]``: build the patched mlx-lm wheel of
+  the pinned release, or of release V with the patches merged (``vendor``).
 - ``test [FILE ...] [-k EXPR]``: upstream's tests, unpatched vs
   monkeypatched (``mlx_lm_patched`` imported), the patched tests in both.
-- ``check-release [VERSION]``: do the patches fit that release (``release``).
+- ``check-release [VERSION]``: per patch, clean, merged or set aside on
+  that release (``release``).
 """
 
 import argparse
@@ -63,10 +65,12 @@ def cmd_vendor(args) -> int:
             "warning: patches/ is not up to date (run `make patches`)", file=sys.stderr
         )
     try:
-        wheel = build_wheel(Path(args.out))
+        wheel, status = build_wheel(Path(args.out), release=args.version)
     except RuntimeError as e:
         print(f"vendor: FAILED: {e}", file=sys.stderr)
         return 1
+    for name, how in status.items():
+        print(f"  {name}: {how}")
     print(f"vendor: {wheel.relative_to(ROOT) if wheel.is_relative_to(ROOT) else wheel}")
     return 0
 
@@ -107,6 +111,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-suite", action="store_true", help="skip upstream's suite")
     p = sub.add_parser("vendor", help="build the patched mlx-lm wheel into dist/")
     p.add_argument("--out", default=str(DIST_DIR))
+    p.add_argument(
+        "--version",
+        default="",
+        help=f"the mlx-lm release to patch (default: {UPSTREAM_VERSION}; "
+        "'latest': the newest)",
+    )
     p = sub.add_parser("test", help="upstream's tests, unpatched vs monkeypatched")
     p.add_argument("files", nargs="*", help=f"default: {' '.join(TEST_FILES)}")
     p.add_argument("-k", help="pytest -k expression")

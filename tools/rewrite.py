@@ -20,7 +20,14 @@ import types
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from mlx_lm_patched._registry import REMOVED, Patch, Target
+from mlx_lm_patched import _merge
+from mlx_lm_patched._registry import (
+    REMOVED,
+    Patch,
+    Target,
+    fingerprint_source,
+    source_of,
+)
 
 from .sdist import module_file
 from .source import (
@@ -30,6 +37,7 @@ from .source import (
     find_definitions,
     lines_of,
     parse,
+    source_from_text,
     span,
     start_of,
 )
@@ -199,6 +207,26 @@ def _remove(lines: List[str], defs, cls: Optional[str]) -> None:
         del lines[start:end]
 
 
+def _merged_source(text: str, t: Target, cls: Optional[str]) -> Optional[str]:
+    """Where ``text`` defines ``t``'s upstream object with other source than
+    the patch was written for: ours merged onto it (``_merge``), or a
+    ``GenerateError`` naming the conflict. ``None`` where it is the same."""
+    theirs = source_from_text(text, cls, t.attr)[0]
+    if t.fingerprint is None or theirs is None:
+        return None
+    if fingerprint_source(theirs) == t.fingerprint:
+        return None
+    edits = _merge.bases().get(t.name, {}).get("delta")
+    if is_removal(t) or edits is None:
+        raise GenerateError(f"{t.name}: changed upstream, which the patch removes")
+    ours = source_of(t.new)
+    base = "".join(_merge.rebuild(lines_of(ours), edits))
+    try:
+        return _merge.merge(base, ours, theirs, t.name)
+    except _merge.MergeConflict as e:
+        raise GenerateError(f"conflict in {e}") from None
+
+
 def _rewrite_target(text: str, t: Target, siblings: List[Target], origin=None) -> str:
     """``text`` with target ``t`` replaced, inserted or removed."""
     _, cls = split_owner(t.owner)
@@ -209,10 +237,15 @@ def _rewrite_target(text: str, t: Target, siblings: List[Target], origin=None) -
             raise GenerateError(
                 f"{t.owner}.{t.attr}: to be removed, but not defined upstream"
             )
+        _merged_source(text, t, cls)
         _remove(lines, defs, cls)
         return "".join(lines)
     indent = body_indent(text, cls) if cls else ""
-    new = replacement_lines(t.new, t.attr, indent, origin, cls)
+    merged = _merged_source(text, t, cls) if defs else None
+    if merged is not None:
+        new = reindent(lines_of(merged), "", indent)
+    else:
+        new = replacement_lines(t.new, t.attr, indent, origin, cls)
     if defs:
         first = min(d.start for d in defs)
         for d in sorted(defs, key=lambda d: -d.start):

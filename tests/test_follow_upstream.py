@@ -16,6 +16,8 @@ import mlx_lm_patched
 from mlx_lm_patched import _merge, _registry, tiny
 from tools.simulate import simulated_release
 
+MARK_TEXT = "_simulated.add('mlx_lm.generate:stream_generate')"
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -106,30 +108,39 @@ def test_every_patch_merges_onto_the_next_release_and_its_new_lines_run(
     assert pinned["applied"] == result["applied"] and pinned["merged"] == []
 
 
-def test_a_conflict_sets_aside_its_patch_and_what_needs_that_object_only(
-    tmp_path, model_dir
-):
-    ring = "mlx_lm.models.cache:RotatingKVCache.__init__"
-    stream = "mlx_lm.generate:stream_generate"
-    release = simulated_release(
-        tmp_path, mlx_lm_patched.PATCHES, conflict=[ring, stream]
+RING = "mlx_lm.models.cache:RotatingKVCache.__init__"
+STREAM = "mlx_lm.generate:stream_generate"
+# What does not need the ring's or stream_generate's patched objects.
+INDEPENDENT = {
+    "bounded_attention",
+    "negative_trim",
+    "quantized_cache",
+    "quantized_attention",
+    "host_export",
+    "generate_kv_checks",
+    "max_kv_size",
+    "kvcache_pipeline",
+}
+
+
+@pytest.fixture(scope="module")
+def conflicting(tmp_path_factory):
+    """The next release, with lines we change edited in two objects."""
+    return simulated_release(
+        tmp_path_factory.mktemp("conflict"),
+        mlx_lm_patched.PATCHES,
+        conflict=[RING, STREAM],
     )
-    assert release.edits[ring].conflict and release.edits[stream].conflict
-    result = run_under(release, model_dir)
+
+
+def test_a_conflict_sets_aside_its_patch_and_what_needs_that_object_only(
+    conflicting, model_dir
+):
+    assert conflicting.edits[RING].conflict and conflicting.edits[STREAM].conflict
+    result = run_under(conflicting, model_dir)
     off = [p.name for p in mlx_lm_patched.PATCHES if p.name not in result["applied"]]
     assert "rotating_prealloc" in off and "speculative_bounded" in off
-    # Patches that do not need the ring's objects stay applied.
-    for name in (
-        "bounded_attention",
-        "negative_trim",
-        "quantized_cache",
-        "quantized_attention",
-        "host_export",
-        "generate_kv_checks",
-        "max_kv_size",
-        "kvcache_pipeline",
-    ):
-        assert name in result["applied"], name
+    assert INDEPENDENT <= set(result["applied"])
     # One warning per patch set aside; the conflicting one names the object
     # and its lines.
     assert len(result["warnings"]) == len(off)
@@ -138,6 +149,19 @@ def test_a_conflict_sets_aside_its_patch_and_what_needs_that_object_only(
     assert "upstream changed this line" in text
     # What stays applied still works: generation ran to the end.
     assert len(result["unbounded"]) == 12
+
+
+def test_the_series_merges_onto_the_next_release_as_source(next_release, conflicting):
+    """``check-release`` and ``vendor --version`` merge the same way."""
+    from tools.release import merge_onto
+
+    files, status = merge_onto(mlx_lm_patched.PATCHES, next_release.root)
+    assert set(status.values()) == {"clean", "merged"}
+    assert MARK_TEXT in files["mlx_lm/generate.py"]
+    _, status = merge_onto(mlx_lm_patched.PATCHES, conflicting.root)
+    assert status["rotating_prealloc"].startswith("conflict: ")
+    assert "RotatingKVCache.__init__" in status["rotating_prealloc"]
+    assert {n for n, how in status.items() if how in ("clean", "merged")} >= INDEPENDENT
 
 
 def test_merge_keeps_both_sides_and_names_a_conflict():

@@ -1,6 +1,7 @@
 """``python -m tools COMMAND``:
 
-- ``patches``: write ``patches/`` (``series``) from ``PATCHES``.
+- ``patches``: write ``patches/`` (``series``) and ``bases.json``
+  (``bases``) from ``PATCHES``.
 - ``check-patches [--no-suite]``: fail if ``patches/`` is stale, does not
   apply, or does not pass upstream's suite as patched source (``check``).
 - ``vendor [--out DIR] [--version V]``: build the patched mlx-lm wheel of
@@ -21,6 +22,7 @@ from typing import Optional, Sequence
 from mlx_lm_patched._registry import UPSTREAM_VERSION
 
 from . import DIST_DIR, ROOT, all_patches
+from .bases import write_bases
 from .check import check_patches
 from .release import check_release
 from .rewrite import GenerateError
@@ -31,8 +33,9 @@ from .vendor import build_wheel
 
 
 def cmd_patches(args) -> int:
+    changed = ["bases.json"] if write_bases(all_patches()) else []
     series = generate(all_patches(), sdist_tree())
-    changed = write_patches(series)
+    changed += write_patches(series)
     for w in series.warnings:
         print(f"warning: {w}", file=sys.stderr)
     what = ", ".join(changed) if changed else "unchanged"

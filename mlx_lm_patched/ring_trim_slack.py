@@ -1,4 +1,4 @@
-"""Trims that cannot be exact raise; ``can_trim_prompt_cache(cache, n)``.
+"""Exact trims of wrapped rings; ``can_trim_prompt_cache(cache, n)``.
 
 Upstream's ``trim_prompt_cache`` returns 0 and changes nothing when a cache
 is not trimmable, which a wrapped ``RotatingKVCache`` (a sliding-window
@@ -7,11 +7,10 @@ rejected draft tokens in the ring and its output drifts from the second to
 fourth token on, silently. Prefix reuse of a stored entry fails on the same
 wall (ml-explore/mlx-lm#980). The patched ring can step back ``slack``
 tokens after a wrap (``RotatingKVCache(..., slack=n)``, see
-``rotating_prealloc``); here ``can_trim_prompt_cache(cache, num_tokens)``
-asks whether every layer can take ``num_tokens`` off exactly, and
-``trim_prompt_cache`` raises a ``ValueError``, changing nothing, where a
-layer that trims cannot. Caches that never trim (``ArraysCache`` & co.)
-keep upstream's ``return 0``.
+``rotating_prealloc``); here ``trim_prompt_cache`` trims such a ring when
+every layer can take ``num_tokens`` off exactly, and
+``can_trim_prompt_cache(cache, num_tokens)`` asks whether it can. Where a
+trim cannot be exact, upstream's contract holds: 0, nothing changed.
 """
 
 from typing import Any, List, Optional
@@ -41,9 +40,9 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> List[Any]:
     Trim the model's cache by the given number of tokens.
 
     This function will trim the cache if possible (in-place) and return the
-    number of tokens that were trimmed. A cache that trims but cannot take
-    ``num_tokens`` off exactly (a wrapped ``RotatingKVCache`` beyond its
-    slack) raises a ``ValueError`` and is left unchanged.
+    number of tokens that were trimmed. A wrapped ``RotatingKVCache`` trims
+    within its slack; where a layer cannot take ``num_tokens`` off exactly,
+    nothing is trimmed.
 
     Args:
         cache (List[Any]): The model's cache.
@@ -52,30 +51,18 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> List[Any]:
     Returns:
         (int): The number of tokens that were trimmed.
     """
-    trims = [c.is_trimmable() or hasattr(c, "trimmable_tokens") for c in cache]
-    if not all(trims) or len(cache) == 0:
+    if not can_trim_prompt_cache(cache, num_tokens) or len(cache) == 0:
         return 0
-    if not can_trim_prompt_cache(cache, num_tokens):
-        held = min(
-            c.trimmable_tokens() for c in cache if hasattr(c, "trimmable_tokens")
-        )
-        raise ValueError(
-            f"trim_prompt_cache: cannot take {num_tokens} tokens off exactly: a "
-            f"rotating cache has wrapped and can put back {held} (its slack)"
-        )
     return [c.trim(num_tokens) for c in cache][0]
 
 
 PATCH = Patch(
     "ring_trim_slack",
-    "trim_prompt_cache: a trim a wrapped ring cannot do exactly raises; "
+    "trim_prompt_cache: a wrapped ring trims within its slack; "
     "can_trim_prompt_cache(cache, num_tokens)",
     [
-        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), fp)
-        for name, f, fp in (
-            ("can_trim_prompt_cache", can_trim_prompt_cache, "840a6f74cafc"),
-            ("trim_prompt_cache", trim_prompt_cache, "bec42e4c8029"),
-        )
+        Target("mlx_lm.models.cache", f.__name__, pasted_into("mlx_lm.models.cache", f))
+        for f in (can_trim_prompt_cache, trim_prompt_cache)
     ],
     requires=("mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",),
     uses={"mlx_lm.models.cache": ("Any", "List", "Optional")},

@@ -285,8 +285,9 @@ def class_patch(
     (``owner`` is ``"module:Class"``); the upstream source each attribute
     replaces is recorded in ``bases.json`` (``fingerprints``, where given,
     must name each attribute instead). ``removes`` names the upstream methods
-    the patch makes dead. Methods are pasted into the owner's module (see
-    ``pasted_into``).
+    the patch makes dead (a dict gives their fingerprints). Methods are
+    pasted into the owner's module (see ``pasted_into``). Patches declare
+    their targets with ``targets``, which calls this.
     """
     names = [n for n in vars(namespace) if not n.startswith("__") or n == "__init__"]
     if fingerprints is not None and sorted(names) != sorted(fingerprints):
@@ -305,7 +306,40 @@ def class_patch(
         )
         for n in names
     ]
-    return targets + [Target(owner, n, REMOVED) for n in removes]
+    prints = removes if isinstance(removes, dict) else {}
+    return targets + [
+        Target(owner, n, REMOVED, prints.get(n, FROM_BASES)) for n in removes
+    ]
+
+
+def targets(owner: str, *objects: Any, removes: Sequence[str] = (), **named: Any):
+    """The one way a patch declares what it puts where: ``objects`` into
+    ``owner``, each under its own name.
+
+    ``owner`` is an upstream module (``"mlx_lm.models.cache"``) or a class
+    of one (``"mlx_lm.models.cache:RotatingKVCache"``). Into a module go
+    functions (pasted into it, see ``pasted_into``; one pasted into another
+    upstream module already is imported from there), classes and modules
+    (an import); ``named`` gives plain values their names. Into a class goes
+    one plain class written like it: every attribute its body defines
+    (``class_patch``). ``removes`` names the attributes the patch deletes.
+    Which of them replace upstream objects, and the source each was written
+    against, ``bases.json`` records.
+    """
+    if ":" in owner:
+        (namespace,) = objects
+        return class_patch(owner, namespace, removes=removes) + [
+            Target(owner, k, v) for k, v in named.items()
+        ]
+    out = []
+    for obj in objects:
+        if isinstance(obj, types.FunctionType) and not obj.__module__.startswith(
+            "mlx_lm."
+        ):
+            obj = pasted_into(owner, obj)
+        out.append(Target(owner, obj.__name__, obj))
+    out += [Target(owner, k, v) for k, v in named.items()]
+    return out + [Target(owner, n, REMOVED) for n in removes]
 
 
 # module -> the names patches add to it (upstream has none)

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, cache_class, targets
 from .rotating_prealloc import _pipeline
 
 # Written as they would read in mlx_lm/generate.py, and run there.
@@ -169,36 +169,22 @@ class BatchGenerator:
         self._old_wired_limit = maybe_set_recommended_wired_limit()
 
 
+_QuantizeOnWrite = cache_class("mlx_lm.generate", _QuantizeOnWrite)
+_QuantizingModel = cache_class("mlx_lm.generate", _QuantizingModel)
+
 PATCH = Patch(
     "batch_generator_kv_bits",
     "BatchGenerator and batch_generate take kv_bits, kv_group_size and "
     "quantized_kv_start",
-    [
-        Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), None)
-        for name, f in (
-            ("maybe_quantize_batch_cache", maybe_quantize_batch_cache),
-            ("_QuantizeOnWrite", _QuantizeOnWrite),
-            ("_QuantizingModel", _QuantizingModel),
-        )
-    ]
-    + [
-        # Imported from mlx_lm/models/cache.py.
-        Target(
-            "mlx_lm.generate",
-            "_pipeline",
-            pasted_into("mlx_lm.models.cache", _pipeline),
-            None,
-        ),
-        Target(
-            "mlx_lm.generate",
-            "_extend_cache",
-            pasted_into("mlx_lm.generate", _extend_cache),
-            "15c766408c4c",
-        ),
-    ]
-    + class_patch(
-        "mlx_lm.generate:BatchGenerator", BatchGenerator, {"__init__": "4ba63a2bd86d"}
-    ),
+    targets(
+        "mlx_lm.generate",
+        maybe_quantize_batch_cache,
+        _QuantizeOnWrite,
+        _QuantizingModel,
+        _pipeline,  # imported from mlx_lm/models/cache.py
+        _extend_cache,
+    )
+    + targets("mlx_lm.generate:BatchGenerator", BatchGenerator),
     requires=("mlx_lm.models.cache:BatchKVCache.to_quantized",),
     uses={
         "mlx_lm.generate": (

@@ -20,7 +20,7 @@ from typing import List
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-from ._registry import Patch, Target, cache_class, class_patch, pasted_into
+from ._registry import Patch, cache_class, targets
 
 
 def _quantized_like(caches):
@@ -474,42 +474,17 @@ PATCH = Patch(
     "batch_quantized",
     "BatchQuantizedKVCache, BatchQuantizedRotatingKVCache: quantized caches "
     "merge, batch, extract, save and load",
-    [
-        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
-        for name, f in (
-            ("_quantized_like", _quantized_like),
-            ("_check_layouts", _check_layouts),
-        )
-    ]
-    + [
-        Target(
-            "mlx_lm.models.cache", "BatchQuantizedKVCache", BatchQuantizedKVCache, None
-        ),
-        Target(
-            "mlx_lm.models.cache",
-            "BatchQuantizedRotatingKVCache",
-            BatchQuantizedRotatingKVCache,
-            None,
-        ),
-    ]
-    + class_patch(
-        "mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache, {"merge": None}
+    targets(
+        "mlx_lm.models.cache",
+        _quantized_like,
+        _check_layouts,
+        BatchQuantizedKVCache,
+        BatchQuantizedRotatingKVCache,
     )
-    + class_patch(
-        "mlx_lm.models.cache:BatchKVCache",
-        _BatchKVCache,
-        {"to_quantized": None, "merge": "5080e5997d08"},
-    )
-    + class_patch(
-        "mlx_lm.models.cache:RotatingKVCache",
-        _RotatingKVCache,
-        {"merge": "54ae8095aaa2"},
-    )
-    + class_patch(
-        "mlx_lm.models.cache:BatchRotatingKVCache",
-        _BatchRotatingKVCache,
-        {"to_quantized": "1c90dcd384db"},
-    ),
+    + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
+    + targets("mlx_lm.models.cache:BatchKVCache", _BatchKVCache)
+    + targets("mlx_lm.models.cache:RotatingKVCache", _RotatingKVCache)
+    + targets("mlx_lm.models.cache:BatchRotatingKVCache", _BatchRotatingKVCache),
     requires=(
         "mlx_lm.models.cache:BatchRotatingKVCache.state",
         "mlx_lm.models.cache:QuantizedKVCache.state",

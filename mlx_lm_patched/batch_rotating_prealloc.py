@@ -38,10 +38,10 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from ._registry import Patch, class_patch
+from ._registry import Patch, targets
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``class_patch`` pastes it): ``RotatingKVCache``, ``_put`` and
+# there (``targets`` pastes it): ``RotatingKVCache``, ``_put`` and
 # ``_check_update`` are that module's.
 
 
@@ -654,40 +654,10 @@ class BatchRotatingKVCache:
 PATCH = Patch(
     "batch_rotating_prealloc",
     "BatchRotatingKVCache: allocate the ring once, write in place, fix its masks",
-    class_patch(
+    targets(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         BatchRotatingKVCache,
-        {
-            "__init__": "20ae6efbecba",
-            "left_padding": None,
-            "_reset_undo": None,
-            "_allocate": None,
-            "_update_sinks": None,
-            "_runs": None,
-            "_columns": None,
-            "_rolled_ring": None,
-            "_rolls": None,
-            "_update_past_ring": None,
-            "update_and_fetch": "a49febe14a68",
-            "keys_and_values": "b7bc1f199038",
-            "prepare": "d8f6e45cb992",
-            "finalize": "3b873fc3d89c",
-            "state": "6b269fad0f9b",
-            "_check_state": None,
-            "nbytes": "14b373f5e3ab",
-            "is_trimmable": "f266b2c1321a",
-            "trim": "6016a533a41f",
-            "make_mask": "0ead5fbf5d65",
-            "filter": "f987878dfb7f",
-            "extend": "2710c7080f16",
-            "extract": "514b9880b66d",
-            "merge": "228e19f9fda9",
-        },
-        removes={
-            "_trim": "e89fdacec3a7",
-            "_update_concat": "5a66b0c9a1d2",
-            "_update_in_place": "9fa8087f4909",
-        },
+        removes=("_trim", "_update_concat", "_update_in_place"),
     ),
     requires=("mlx_lm.models.cache:RotatingKVCache.state",),  # merge, extract
     uses={

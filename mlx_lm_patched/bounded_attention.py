@@ -45,7 +45,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, pasted_into, targets
 
 
 def sdpa_backend() -> str:
@@ -188,19 +188,14 @@ PATCH = Patch(
     "bounded_attention",
     "scaled_dot_product_attention: array masks fused where the backend can "
     "(additive on CUDA), chained query blocks of bounded scores elsewhere",
-    [
-        Target("mlx_lm.models.base", "sdpa_backend", sdpa_backend, None),
-        Target("mlx_lm.models.base", "attention_path", attention_path, None),
-        Target("mlx_lm.models.base", "_additive_masks", _additive_masks, None),
-        Target("mlx_lm.models.base", "additive_mask", additive_mask, None),
-        Target("mlx_lm.models.base", "_query_blocks", _query_blocks, None),
-        Target(
-            "mlx_lm.models.base",
-            "scaled_dot_product_attention",
-            scaled_dot_product_attention,
-            "8deba4a8a8fb",
-        ),
-    ],
+    targets("mlx_lm.models.base", sdpa_backend, attention_path)
+    + targets("mlx_lm.models.base", _additive_masks=_additive_masks)
+    + targets(
+        "mlx_lm.models.base",
+        additive_mask,
+        _query_blocks,
+        scaled_dot_product_attention,
+    ),
     uses={
         "mlx_lm.models.base": (
             "Optional",

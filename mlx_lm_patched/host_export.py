@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, pasted_into, targets
 
 
 @dataclass
@@ -113,18 +113,12 @@ PATCH = Patch(
     "host_export",
     "prompt_cache_to_host / HostPromptCache.save: spill prompt caches to disk "
     "from any thread, bfloat16 and quantized caches bit-exact",
-    [
-        Target("mlx_lm.models.cache", "HostPromptCache", HostPromptCache, None),
-        Target(
-            "mlx_lm.models.cache", "prompt_cache_to_host", prompt_cache_to_host, None
-        ),
-        Target(
-            "mlx_lm.models.cache",
-            "prompt_cache_from_host",
-            prompt_cache_from_host,
-            None,
-        ),
-    ],
+    targets(
+        "mlx_lm.models.cache",
+        HostPromptCache,
+        prompt_cache_to_host,
+        prompt_cache_from_host,
+    ),
     uses={
         "mlx_lm.models.cache": (
             "Any",

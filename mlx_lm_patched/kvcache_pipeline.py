@@ -10,7 +10,7 @@ waits for the previous layer's, so about two layers are in flight. Decode
 steps and short chunks are untouched; under ``mx.compile`` it does nothing.
 """
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, targets
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.
@@ -59,21 +59,8 @@ PATCH = Patch(
     "kvcache_pipeline",
     "KVCache, BatchKVCache: a chunk of 256 tokens or more is pipelined a layer "
     "at a time",
-    [
-        Target(
-            "mlx_lm.models.cache",
-            "_grow",
-            pasted_into("mlx_lm.models.cache", _grow),
-            None,
-        )
-    ]
-    + class_patch(
-        "mlx_lm.models.cache:KVCache", KVCache, {"update_and_fetch": "fdb2f83dcae5"}
-    )
-    + class_patch(
-        "mlx_lm.models.cache:BatchKVCache",
-        BatchKVCache,
-        {"update_and_fetch": "e4f881b89926"},
-    ),
+    targets("mlx_lm.models.cache", _grow)
+    + targets("mlx_lm.models.cache:KVCache", KVCache)
+    + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),
     uses={"mlx_lm.models.cache": ("mx",)},
 )

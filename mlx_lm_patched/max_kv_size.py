@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 
 import mlx.nn as nn
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, targets
 
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).
@@ -104,21 +104,8 @@ def make_prompt_cache(
 PATCH = Patch(
     "max_kv_size",
     "make_prompt_cache: honour max_kv_size for models with make_cache",
-    [
-        Target("mlx_lm.models.cache", "_bounded_logged", _bounded_logged, None),
-        Target(
-            "mlx_lm.models.cache",
-            "_bound_layers",
-            pasted_into("mlx_lm.models.cache", _bound_layers),
-            None,
-        ),
-        Target(
-            "mlx_lm.models.cache",
-            "make_prompt_cache",
-            pasted_into("mlx_lm.models.cache", make_prompt_cache),
-            "ae8ee8ce5ac6",
-        ),
-    ],
+    targets("mlx_lm.models.cache", _bounded_logged=_bounded_logged)
+    + targets("mlx_lm.models.cache", _bound_layers, make_prompt_cache),
     uses={
         "mlx_lm.models.cache": (
             "Any",

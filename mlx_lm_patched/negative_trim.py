@@ -9,7 +9,7 @@ straight through (ml-explore/mlx-lm#1868). Here ``KVCache``,
 as the rings and the quantized caches do in their own patches.
 """
 
-from ._registry import Patch, class_patch
+from ._registry import Patch, targets
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.
@@ -44,14 +44,8 @@ class BatchKVCache:
 PATCH = Patch(
     "negative_trim",
     "KVCache, ConcatenateKVCache, ChunkedKVCache, BatchKVCache: trim(n < 0) raises",
-    class_patch("mlx_lm.models.cache:KVCache", KVCache, {"trim": "6ebc79648024"})
-    + class_patch(
-        "mlx_lm.models.cache:ConcatenateKVCache", KVCache, {"trim": "6ebc79648024"}
-    )
-    + class_patch(
-        "mlx_lm.models.cache:ChunkedKVCache", ChunkedKVCache, {"trim": "559a164e9c37"}
-    )
-    + class_patch(
-        "mlx_lm.models.cache:BatchKVCache", BatchKVCache, {"trim": "f3009f8ac54b"}
-    ),
+    targets("mlx_lm.models.cache:KVCache", KVCache)
+    + targets("mlx_lm.models.cache:ConcatenateKVCache", KVCache)
+    + targets("mlx_lm.models.cache:ChunkedKVCache", ChunkedKVCache)
+    + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),
 )

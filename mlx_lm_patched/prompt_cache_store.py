@@ -30,7 +30,7 @@ from typing import Any, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, targets
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.
@@ -156,22 +156,8 @@ PATCH = Patch(
     "prompt_cache_store",
     "LRUPromptCache: entries hold live tokens only, fetched without a deep "
     "copy; one _evict for every eviction",
-    [
-        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
-        for name, f in (("_live_state", _live_state), ("_copy_cache", _copy_cache))
-    ]
-    + class_patch(
-        "mlx_lm.models.cache:LRUPromptCache",
-        LRUPromptCache,
-        {
-            "fetch_nearest_cache": "c5efeaaafa62",
-            "_trimmable": None,
-            "_working_cache": None,
-            "insert_cache": "a7facc577dbf",
-            "trim_to": "8e38e6757f09",
-            "_evict": None,
-        },
-    ),
+    targets("mlx_lm.models.cache", _live_state, _copy_cache)
+    + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),
     requires=(
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)

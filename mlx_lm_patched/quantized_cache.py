@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, pasted_into, targets
 
 
 def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):
@@ -308,32 +308,9 @@ PATCH = Patch(
     "quantized_cache",
     "QuantizedKVCache: live size, compaction, geometric growth, dequantized "
     "export, bit-exact save/load, any head dim",
-    [
-        Target("mlx_lm.models.cache", "_kv_quant_layout", _kv_quant_layout, None),
-        Target("mlx_lm.models.cache", "_kv_quantize", _kv_quantize, None),
-        Target("mlx_lm.models.cache", "_check_quantized", _check_quantized, None),
-    ]
-    + class_patch(
-        "mlx_lm.models.cache:QuantizedKVCache",
-        _QuantizedKVCache,
-        {
-            "__init__": "c8217697b4c0",
-            "update_and_fetch": "5096c112dfde",
-            "size": "6b9dbb3b7aa4",
-            "state": "069c07781538",
-            "_check_state": None,
-            "trim": "6ebc79648024",
-            "reserve": None,
-            "compact": None,
-            "_resize": None,
-            "to_kv_cache": None,
-            "quantizes_with": None,
-            "nbytes": "82f80ece693d",
-        },
-    )
-    + class_patch(
-        "mlx_lm.models.cache:KVCache", _KVCache, {"to_quantized": "c6f6b9bc51f5"}
-    ),
+    targets("mlx_lm.models.cache", _kv_quant_layout, _kv_quantize, _check_quantized)
+    + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
+    + targets("mlx_lm.models.cache:KVCache", _KVCache),
     uses={
         "mlx_lm.models.cache": (
             "KVCache",

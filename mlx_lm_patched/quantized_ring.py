@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ._registry import Patch, Target, cache_class, class_patch, pasted_into
+from ._registry import Patch, cache_class, pasted_into, targets
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there:
@@ -212,20 +212,8 @@ QuantizedRotatingKVCache = cache_class(
 PATCH = Patch(
     "quantized_ring",
     "RotatingKVCache.to_quantized: a preallocated quantized sliding window",
-    [
-        Target("mlx_lm.models.cache", "_quantize_update", _quantize_update, None),
-        Target(
-            "mlx_lm.models.cache",
-            "QuantizedRotatingKVCache",
-            QuantizedRotatingKVCache,
-            None,
-        ),
-    ]
-    + class_patch(
-        "mlx_lm.models.cache:RotatingKVCache",
-        _RotatingKVCache,
-        {"to_quantized": "09de7569e6f4"},
-    ),
+    targets("mlx_lm.models.cache", _quantize_update, QuantizedRotatingKVCache)
+    + targets("mlx_lm.models.cache:RotatingKVCache", _RotatingKVCache),
     requires=(
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:QuantizedKVCache.state",

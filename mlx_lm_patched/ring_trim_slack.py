@@ -15,7 +15,7 @@ trim cannot be exact, upstream's contract holds: 0, nothing changed.
 
 from typing import Any, List, Optional
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, targets
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.
@@ -60,10 +60,7 @@ PATCH = Patch(
     "ring_trim_slack",
     "trim_prompt_cache: a wrapped ring trims within its slack; "
     "can_trim_prompt_cache(cache, num_tokens)",
-    [
-        Target("mlx_lm.models.cache", f.__name__, pasted_into("mlx_lm.models.cache", f))
-        for f in (can_trim_prompt_cache, trim_prompt_cache)
-    ],
+    targets("mlx_lm.models.cache", can_trim_prompt_cache, trim_prompt_cache),
     requires=("mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",),
     uses={"mlx_lm.models.cache": ("Any", "List", "Optional")},
 )

@@ -40,7 +40,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, pasted_into, targets
 
 
 def _check_update(cache, keys, values):
@@ -167,7 +167,7 @@ def _hold(cache, fetched, offset, source=None):
 
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``class_patch`` pastes it).
+# there (``targets`` pastes it).
 class RotatingKVCache:
     # Layout of the ``max_size`` ring, ``n = min(offset, max_size)`` tokens live:
     # - ``offset <= max_size``: slot ``s`` holds position ``s``, ``_idx == offset``;
@@ -438,50 +438,31 @@ class RotatingKVCache:
         return sum(x.nbytes for x in held if x is not None)
 
 
+# Shared with the patches that use them: one object wherever it is installed.
+_schedule = pasted_into("mlx_lm.models.base", _schedule)
+_pipeline = pasted_into("mlx_lm.models.cache", _pipeline)
+
 PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
-    [
-        # Written as it reads in mlx_lm/models/base.py; cache.py imports it.
-        Target(module, "_schedule", pasted_into("mlx_lm.models.base", _schedule), None)
-        for module in ("mlx_lm.models.base", "mlx_lm.models.cache")
-    ]
-    + [Target("mlx_lm.models.cache", "_previous_layer", _previous_layer, None)]
-    + [
-        Target("mlx_lm.models.cache", name, pasted_into("mlx_lm.models.cache", f), None)
-        for name, f in (
-            ("_check_update", _check_update),
-            ("_stored", _stored),
-            ("_put", _put),
-            ("_ring_slot", _ring_slot),
-            ("_sinks_and_newest", _sinks_and_newest),
-            ("_pipeline", _pipeline),
-            ("_hold", _hold),
-        )
-    ]
-    + class_patch(
+    # Written as it reads in mlx_lm/models/base.py; cache.py imports it.
+    targets("mlx_lm.models.base", _schedule)
+    + targets("mlx_lm.models.cache", _schedule)
+    + targets("mlx_lm.models.cache", _previous_layer=_previous_layer)
+    + targets(
+        "mlx_lm.models.cache",
+        _check_update,
+        _stored,
+        _put,
+        _ring_slot,
+        _sinks_and_newest,
+        _pipeline,
+        _hold,
+    )
+    + targets(
         "mlx_lm.models.cache:RotatingKVCache",
         RotatingKVCache,
-        {
-            "slack": None,
-            "__init__": "e0dcbbd9ab98",
-            "_allocate": None,
-            "_update_past_ring": None,
-            "update_and_fetch": "a49febe14a68",
-            "_update_chunk": None,
-            "keys_and_values": "c22b76554602",
-            "state": "58270b869508",
-            "_check_state": None,
-            "trimmable_tokens": None,
-            "trim": "798fee465b19",
-            "make_mask": "aae2a6dcb644",
-            "nbytes": "14b373f5e3ab",
-        },
-        removes={
-            "_trim": "b810aeeb118b",
-            "_update_concat": "74947aeaf783",
-            "_update_in_place": "72480bc8fe40",
-        },
+        removes=("_trim", "_update_concat", "_update_in_place"),
     ),
     uses={"mlx_lm.models.base": ("mx",), "mlx_lm.models.cache": ("Optional", "mx")},
 )

@@ -10,7 +10,7 @@ no-draft output a few tokens after the wrap. Here ``stream_generate`` builds
 the model's and the draft's caches with ``max_kv_size`` and gives every
 rotating layer ``slack`` for ``num_draft_tokens`` (``RotatingKVCache``
 steps back that many tokens exactly after a wrap, see ``rotating_prealloc``);
-a trim it still cannot do raises (``ring_trim_slack``). Greedy tokens equal
+a trim it still cannot do exactly returns 0 (``ring_trim_slack``). Greedy tokens equal
 the no-draft run's with the same ``max_kv_size``. The quantized ring has no
 slack: ``kv_bits`` with a rotating layer is refused before the first token.
 """
@@ -23,7 +23,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizer
 
-from ._registry import Patch, Target, pasted_into
+from ._registry import Patch, targets
 
 
 # Written as they read in mlx_lm/generate.py, and run there.
@@ -158,13 +158,7 @@ PATCH = Patch(
     "speculative_bounded",
     "stream_generate: --draft-model keeps --max-kv-size; rotating layers get "
     "slack for the rejected draft tokens",
-    [
-        Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), fp)
-        for name, f, fp in (
-            ("_give_slack", _give_slack, None),
-            ("stream_generate", stream_generate, "0a7c19bf2e86"),
-        )
-    ],
+    targets("mlx_lm.generate", _give_slack, stream_generate),
     requires=(
         "mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",
         "mlx_lm.models.cache:trim_prompt_cache",

@@ -152,11 +152,13 @@ def check_patches(
     ``suite`` (upstream test files), upstream's tests run on the patched
     source too, the report going to ``log``."""
     tree = sdist_tree()
-    patches = all_patches() if patches is None else patches
+    problems = []
+    if patches is None:
+        patches = all_patches()
+        if _merge.BASES_FILE.read_text() != render_bases(patches):
+            problems.append("bases.json: differs from the code (not in PATCHES)")
     series = generate(patches, tree, patch_dir)
-    problems = compare_patches(series, patch_dir)
-    if _merge.BASES_FILE.read_text() != render_bases(patches):
-        problems.append("bases.json: differs from the code (not in PATCHES)")
+    problems += compare_patches(series, patch_dir)
     problems += [
         f"{c.patch}: {c.where} {c.status} upstream ({c.detail or 'no fingerprint'}), "
         "so the monkeypatch would not apply as written"

@@ -15,7 +15,7 @@ quantized one.
 """
 
 import functools
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,20 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
 from ._registry import Patch, cache_class, targets
 from .rotating_prealloc import _pipeline
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.generate import (
+        BatchCounters,
+        GenerationBatch,
+        PromptProcessingBatch,
+        StopSequences,
+        deque,
+        generation_stream,
+        greedy_sampler,
+        maybe_set_recommended_wired_limit,
+    )
+
+    from .generate_kv_checks import _check_kv_quantization
 
 # Written as they would read in mlx_lm/generate.py, and run there.
 

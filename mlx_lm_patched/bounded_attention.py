@@ -41,11 +41,14 @@ fused road evaluates anything.
 takes; tests fake the first.
 """
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
 from ._registry import Patch, pasted_into, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 
 def sdpa_backend() -> str:

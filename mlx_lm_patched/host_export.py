@@ -12,12 +12,15 @@ directly.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ._registry import Patch, pasted_into, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from .prompt_cache_files import _prompt_cache_from_arrays
 
 
 @dataclass

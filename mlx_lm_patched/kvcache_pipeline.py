@@ -10,7 +10,14 @@ waits for the previous layer's, so about two layers are in flight. Decode
 steps and short chunks are untouched; under ``mx.compile`` it does nothing.
 """
 
+from typing import TYPE_CHECKING
+
 from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import mlx.core
+
+    from .rotating_prealloc import _pipeline
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.

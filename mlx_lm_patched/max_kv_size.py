@@ -13,11 +13,14 @@ stderr. A ``max_kv_size`` below 1 raises ``ValueError`` before anything is
 built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
 """
 
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import mlx.nn as nn
 
 from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).

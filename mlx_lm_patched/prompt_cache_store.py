@@ -25,12 +25,25 @@ place for a subclass to spill what leaves memory (a disk tier). Whether an
 entry can be trimmed back to a common prefix is ``_trimmable``.
 """
 
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
 
 from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
+    from mlx_lm.models.cache import (
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        RotatingKVCache,
+        _BaseCache,
+        can_trim_prompt_cache,
+        trim_prompt_cache,
+    )
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.

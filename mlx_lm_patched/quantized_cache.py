@@ -28,11 +28,16 @@ Here the cache:
   (``quantizes_with``).
 """
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ._registry import Patch, pasted_into, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from .rotating_prealloc import _pipeline
 
 
 def _kv_quant_layout(k_head_dim, v_head_dim, group_size, bits):

@@ -12,12 +12,16 @@ through ``bits``, written in place.
 saves and loads through ``save_prompt_cache``/``load_prompt_cache``.
 """
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ._registry import Patch, cache_class, pasted_into, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from .quantized_cache import _check_quantized, _kv_quantize
+    from .rotating_prealloc import _put
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there:

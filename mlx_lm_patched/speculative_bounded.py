@@ -15,7 +15,7 @@ the no-draft run's with the same ``max_kv_size``. The quantized ring has no
 slack: ``kv_bits`` with a rotating layer is refused before the first token.
 """
 
-from typing import Generator, List, Optional, Union
+from typing import TYPE_CHECKING, Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizer
 
 from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import time
+
+    from mlx_lm.generate import (
+        generate_step,
+        make_prompt_cache,
+        speculative_generate_step,
+        wired_limit,
+    )
 
 
 # Written as they read in mlx_lm/generate.py, and run there.

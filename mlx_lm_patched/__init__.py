@@ -99,13 +99,15 @@ def revert(*names: str) -> List[str]:
 
 
 def status() -> Dict[str, dict]:
-    """Per patch: applied, the mlx-lm it targets, and any upstream drift."""
+    """Per patch: applied, what it needs, the mlx-lm it targets, and where
+    the installed one differs: the objects merged onto other source, or why
+    the patch is set aside."""
     installed = _registry.installed_version()
     return {
         p.name: {
             "applied": _registry.is_applied(p.name),
             "summary": p.summary,
-            "requires": list(p.requires),
+            "requires": _registry.requirements(p),
             "written_for": UPSTREAM_VERSION,
             "installed": installed,
             "drift": [d for t in p.targets if (d := t.drift())],

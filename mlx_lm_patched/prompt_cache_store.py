@@ -19,6 +19,17 @@ the entry's buffers: the working cache's first update allocates (a ring its
 ``max_size`` slots, a ``KVCache`` its next step) and copies the tokens in
 once, so a hit peaks at the entry plus one working cache.
 
+``LRUPromptCache(..., bits=8)`` (or 4) keeps entries quantized at rest: each
+``KVCache`` layer is stored as a ``QuantizedKVCache`` of ``bits`` and
+``group_size`` (about 0.53x and 0.28x of bfloat16's bytes with group size
+64), and a fetch gives it back dequantized into a ``KVCache`` of the
+original dtype, so a batch computes at its own precision while 2-4x more
+entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
+for a server whose working caches are not quantized: every quantized
+``QuantizedKVCache`` entry, also one read back from a disk tier, is
+dequantized on fetch. Rings stay as they are (a quantized ring cannot step
+back over its window to a common prefix).
+
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
 place for a subclass to spill what leaves memory (a disk tier). Whether an
@@ -39,6 +50,8 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         CacheList,
         ChunkedKVCache,
         KVCache,
+        PromptTrie,
+        QuantizedKVCache,
         RotatingKVCache,
         _BaseCache,
         can_trim_prompt_cache,
@@ -78,6 +91,26 @@ def _copy_cache(cache, copy_array):
 
 
 class LRUPromptCache:
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        bits: Optional[int] = None,
+        group_size: int = 64,
+    ):
+        if bits not in (None, 4, 8):
+            raise ValueError(f"LRUPromptCache: bits must be 4 or 8, got {bits}")
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        # Entries kept quantized at rest (``KVCache`` layers), dequantized on fetch
+        self.bits = bits
+        self.group_size = group_size
+        self._trie = PromptTrie()
+        self._lru = LRUPromptCache.CacheOrder()
+        self._n_bytes = 0
+        self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
+
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         result = self._trie.search(model, tokens)
         if result.exact is not None:
@@ -105,8 +138,16 @@ class LRUPromptCache:
         return can_trim_prompt_cache(prompt_cache, n)
 
     def _working_cache(self, cache_entry):
-        """A cache to generate with, sharing the entry's buffers until written."""
-        return [_copy_cache(c, copy.copy) for c in cache_entry.prompt_cache]
+        """A cache to generate with, sharing the entry's buffers until written
+        (an entry quantized at rest: dequantized)."""
+        return [
+            (
+                c.to_kv_cache()
+                if self.bits is not None and isinstance(c, QuantizedKVCache)
+                else _copy_cache(c, copy.copy)
+            )
+            for c in cache_entry.prompt_cache
+        ]
 
     def insert_cache(
         self,
@@ -117,7 +158,7 @@ class LRUPromptCache:
         cache_type: str = "assistant",
     ):
         # Store a copy of the live tokens, not the working buffers
-        prompt_cache = [_copy_cache(c, mx.array) for c in prompt_cache]
+        prompt_cache = [self._at_rest(c) for c in prompt_cache]
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -144,6 +185,14 @@ class LRUPromptCache:
 
         # Ensure we match the constraints
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+
+    def _at_rest(self, cache):
+        """A copy of ``cache``'s live tokens as an entry keeps them."""
+        if self.bits is None or type(cache) is not KVCache:
+            return _copy_cache(cache, mx.array)
+        quantized = cache.to_quantized(group_size=self.group_size, bits=self.bits)
+        mx.eval(quantized.state)
+        return quantized
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
@@ -184,6 +233,8 @@ PATCH = Patch(
             "List",
             "LRUPromptCache",
             "Optional",
+            "PromptTrie",
+            "QuantizedKVCache",
             "RotatingKVCache",
             "_BaseCache",
             "can_trim_prompt_cache",

@@ -221,3 +221,44 @@ def test_every_eviction_goes_through_evict(patched):
     assert len(lru) == 1 and lru.nbytes == entry
     stats = lru.stats_by_type()
     assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (entry, 0)
+
+
+@pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
+def test_entries_quantized_at_rest_take_a_fraction_of_the_bf16_bytes(bits, most):
+    """Quantized at rest: 8-bit entries at most 0.55x, 4-bit at most 0.30x of
+    bfloat16's bytes; a fetch gives back a bfloat16 ``KVCache`` holding what
+    ``mx.quantize``/``mx.dequantize`` make of the tokens, bit for bit."""
+    plain, at_rest = LRUPromptCache(), LRUPromptCache(bits=bits, group_size=64)
+    cache = [KVCache() for _ in range(2)]
+    for c in cache:
+        k, v = random_kv(1, H, 300, 128, dtype=mx.bfloat16)
+        c.update_and_fetch(k, v)
+    tokens = list(range(300))
+    for store in (plain, at_rest):
+        store.insert_cache("m", tokens, cache)
+    assert at_rest.nbytes <= most * plain.nbytes
+    entry = at_rest._trie.get("m", tokens).prompt_cache
+    assert all(type(c) is QuantizedKVCache and c.bits == bits for c in entry)
+    fetched, rest = at_rest.fetch_nearest_cache("m", tokens + [7])
+    assert rest == [7]
+    for got, want in zip(fetched, cache):
+        assert type(got) is KVCache and got.offset == 300
+        for x, y in ((got.keys, want.keys), (got.values, want.values)):
+            q = mx.quantize(y[..., :300, :], group_size=64, bits=bits)
+            assert same(x[..., :300, :], mx.dequantize(*q, group_size=64, bits=bits))
+
+
+def test_a_fetch_from_a_store_at_rest_trims_back_to_the_common_prefix():
+    store = LRUPromptCache(bits=8)
+    cache = [KVCache()]
+    cache[0].update_and_fetch(*random_kv(1, H, 40, DK))
+    store.insert_cache("m", list(range(40)), cache)
+    fetched, rest = store.fetch_nearest_cache("m", list(range(30)) + [99])
+    assert rest == [99] and fetched[0].offset == 30
+    # The entry itself stays whole and quantized.
+    assert store.nbytes > 0
+
+
+def test_bits_other_than_4_or_8_are_refused():
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        LRUPromptCache(bits=3)

@@ -1,5 +1,5 @@
-"""prompt_cache_store: entries hold the live tokens only; every eviction goes
-through ``_evict``."""
+"""prompt_cache_store: entries hold the live tokens only, quantized at rest
+with ``bits``; every eviction goes through ``_evict``."""
 
 import unittest
 
@@ -21,6 +21,22 @@ class TestLRUPromptCache(unittest.TestCase):
         self.assertEqual(t, [3])
         self.assertTrue(mx.array_equal(c[0].keys_and_values()[0], x))
         self.assertTrue(mx.array_equal(c[1].state[0], x[..., :60, :]))
+
+    def test_entries_quantized_at_rest(self):
+        plain, at_rest = LRUPromptCache(), LRUPromptCache(bits=8)
+        model = ("test", None, None)
+        x = mx.random.uniform(shape=(1, 2, 300, 64)).astype(mx.bfloat16)
+        kv = KVCache()
+        kv.update_and_fetch(x, x)
+        for cache in (plain, at_rest):
+            cache.insert_cache(model, [1, 2], [kv])
+        self.assertLessEqual(at_rest.nbytes, 0.55 * plain.nbytes)
+
+        c, t = at_rest.fetch_nearest_cache(model, [1, 2, 3])
+        self.assertEqual(t, [3])
+        self.assertIsInstance(c[0], KVCache)
+        expected = mx.dequantize(*mx.quantize(x, bits=8), bits=8)
+        self.assertTrue(mx.array_equal(c[0].keys_and_values()[0], expected))
 
     def test_every_eviction_goes_through_evict(self):
         evicted = []

@@ -162,22 +162,21 @@ class Patch:
     # Objects (``Target.name``) or patches this one needs besides the objects
     # of other patches its code reads (``requirements``).
     requires: Tuple[str, ...] = ()
-    # Per upstream module, the names the patch's code takes from its namespace
-    # (pasted code runs there): checked to exist before the patch is applied.
-    uses: Dict[str, Tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         for t in self.targets:
             if ":" not in t.owner and t.fingerprint is None:
                 _adds.setdefault(t.owner, set()).add(t.attr)
 
-    def missing_uses(self) -> List[str]:
-        """The declared upstream names the installed mlx-lm lacks."""
-        missing = []
-        for module, names in self.uses.items():
-            namespace = vars(importlib.import_module(module))
-            missing += [f"{module}.{n} is missing" for n in names if n not in namespace]
-        return missing
+    def unbound(self) -> List[str]:
+        """The global names its code reads that neither the module it runs
+        in binds nor a patch adds (upstream renamed or removed them)."""
+        return [
+            f"{fn.__qualname__} uses {gone}, which upstream lacks"
+            for t in self.targets
+            for fn in _functions(t.new)
+            if (gone := _unbound(fn, fn.__globals__))
+        ]
 
 
 def _global_reads(code: types.CodeType) -> set:
@@ -209,35 +208,6 @@ def _unbound(obj, namespace: dict) -> List[str]:
         and n not in vars(builtins)
         and n not in _adds.get(module, ())
     )
-
-
-def undeclared_uses(patches: List[Patch]) -> Dict[str, List[str]]:
-    """Per patch, the names its pasted code reads from an upstream module
-    without declaring them in ``uses`` (builtins and names that patch or an
-    earlier one adds to that module excepted)."""
-    added: Dict[str, set] = {}
-    out = {}
-    for patch in patches:
-        for t in patch.targets:
-            added.setdefault(t.owner.partition(":")[0], set()).add(t.attr)
-        reads: Dict[str, set] = {}
-        for t in patch.targets:
-            for fn in _functions(t.new):
-                if fn.__module__.partition(".")[0] == "mlx_lm":  # pasted code
-                    reads.setdefault(fn.__module__, set()).update(
-                        _global_reads(fn.__code__)
-                    )
-        undeclared = [
-            f"{module}.{name}"
-            for module, names in sorted(reads.items())
-            for name in sorted(names)
-            if name not in vars(builtins)
-            and name not in added.get(module, ())
-            and name not in patch.uses.get(module, ())
-        ]
-        if undeclared:
-            out[patch.name] = undeclared
-    return out
 
 
 def pasted_into(module: str, obj: Any) -> Any:
@@ -491,7 +461,7 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
                 resolved[t.key] = t.resolve()
             except MergeConflict as e:
                 (helper_problems if t in helpers else problems).append(str(e))
-        problems += helper_problems + patch.missing_uses()
+        problems += helper_problems + patch.unbound()
         own = {t.name for t in patch.targets}
         problems += [
             f"needs {r}, which is not applied"

@@ -200,25 +200,4 @@ PATCH = Patch(
     )
     + targets("mlx_lm.generate:BatchGenerator", BatchGenerator),
     requires=("mlx_lm.models.cache:BatchKVCache.to_quantized",),
-    uses={
-        "mlx_lm.generate": (
-            "BatchCounters",
-            "DEFAULT_QUANTIZED_KV_START",
-            "GenerationBatch",
-            "List",
-            "LogitsProcessor",
-            "Optional",
-            "PromptProcessingBatch",
-            "Sampler",
-            "Sequence",
-            "StopSequences",
-            "deque",
-            "functools",
-            "generation_stream",
-            "mx",
-            "greedy_sampler",
-            "maybe_set_recommended_wired_limit",
-            "nn",
-        )
-    },
 )

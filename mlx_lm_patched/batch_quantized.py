@@ -489,15 +489,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:BatchRotatingKVCache.state",
         "mlx_lm.models.cache:QuantizedKVCache.state",
     ),
-    uses={
-        "mlx_lm.models.cache": (
-            "BatchKVCache",
-            "BatchRotatingKVCache",
-            "List",
-            "QuantizedKVCache",
-            "RotatingKVCache",
-            "dynamic_roll",
-            "mx",
-        )
-    },
 )

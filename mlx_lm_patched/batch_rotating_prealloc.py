@@ -660,12 +660,4 @@ PATCH = Patch(
         removes=("_trim", "_update_concat", "_update_in_place"),
     ),
     requires=("mlx_lm.models.cache:RotatingKVCache.state",),  # merge, extract
-    uses={
-        "mlx_lm.models.cache": (
-            "List",
-            "Optional",
-            "RotatingKVCache",
-            "mx",
-        )
-    },
 )

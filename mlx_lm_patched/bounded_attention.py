@@ -199,11 +199,4 @@ PATCH = Patch(
         _query_blocks,
         scaled_dot_product_attention,
     ),
-    uses={
-        "mlx_lm.models.base": (
-            "Optional",
-            "mx",
-            "quantized_scaled_dot_product_attention",
-        )
-    },
 )

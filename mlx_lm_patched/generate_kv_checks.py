@@ -200,20 +200,4 @@ PATCH = Patch(
         )
     ],
     requires=("mlx_lm.models.cache:QuantizedKVCache.quantizes_with",),
-    uses={
-        "mlx_lm.generate": (
-            "DEFAULT_MODEL",
-            "QuantizedKVCache",
-            "generate",
-            "json",
-            "load",
-            "load_processor",
-            "load_prompt_cache",
-            "make_sampler",
-            "mx",
-            "np",
-            "setup_arg_parser",
-            "sys",
-        )
-    },
 )

@@ -122,15 +122,4 @@ PATCH = Patch(
         prompt_cache_to_host,
         prompt_cache_from_host,
     ),
-    uses={
-        "mlx_lm.models.cache": (
-            "Any",
-            "Dict",
-            "List",
-            "Optional",
-            "dataclass",
-            "mx",
-            "tree_flatten",
-        )
-    },
 )

@@ -69,5 +69,4 @@ PATCH = Patch(
     targets("mlx_lm.models.cache", _grow)
     + targets("mlx_lm.models.cache:KVCache", KVCache)
     + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),
-    uses={"mlx_lm.models.cache": ("mx",)},
 )

@@ -109,14 +109,4 @@ PATCH = Patch(
     "make_prompt_cache: honour max_kv_size for models with make_cache",
     targets("mlx_lm.models.cache", _bounded_logged=_bounded_logged)
     + targets("mlx_lm.models.cache", _bound_layers, make_prompt_cache),
-    uses={
-        "mlx_lm.models.cache": (
-            "Any",
-            "KVCache",
-            "List",
-            "Optional",
-            "RotatingKVCache",
-            "nn",
-        )
-    },
 )

@@ -293,15 +293,4 @@ PATCH = Patch(
         Target("mlx_lm.models.cache", "DiskLRUPromptCache", DiskLRUPromptCache, None),
     ],
     requires=("mlx_lm.models.cache:LRUPromptCache._evict",),
-    uses={
-        "mlx_lm.models.cache": (
-            "Any",
-            "LRUPromptCache",
-            "List",
-            "PromptTrie",
-            "can_trim_prompt_cache",
-            "mx",
-            "trim_prompt_cache",
-        )
-    },
 )

@@ -155,13 +155,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:BatchKVCache", BatchKVCache, {"_check_state": None}
     ),
     requires=("mlx_lm.models.cache:RotatingKVCache._check_state",),
-    uses={
-        "mlx_lm.models.cache": (
-            "Any",
-            "Dict",
-            "_BaseCache",
-            "mx",
-            "tree_unflatten",
-        )
-    },
 )

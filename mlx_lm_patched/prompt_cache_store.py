@@ -224,24 +224,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)
     ),
-    uses={
-        "mlx_lm.models.cache": (
-            "Any",
-            "CacheList",
-            "ChunkedKVCache",
-            "KVCache",
-            "List",
-            "LRUPromptCache",
-            "Optional",
-            "PromptTrie",
-            "QuantizedKVCache",
-            "RotatingKVCache",
-            "_BaseCache",
-            "can_trim_prompt_cache",
-            "copy",
-            "mx",
-            "tree_map",
-            "trim_prompt_cache",
-        )
-    },
 )

@@ -181,12 +181,4 @@ PATCH = Patch(
         ),
     ],
     requires=("mlx_lm.models.base:scaled_dot_product_attention",),
-    uses={
-        "mlx_lm.models.base": (
-            "Optional",
-            "mx",
-            "scaled_dot_product_attention",
-            "tree_map",
-        )
-    },
 )

@@ -316,13 +316,4 @@ PATCH = Patch(
     targets("mlx_lm.models.cache", _kv_quant_layout, _kv_quantize, _check_quantized)
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
     + targets("mlx_lm.models.cache:KVCache", _KVCache),
-    uses={
-        "mlx_lm.models.cache": (
-            "KVCache",
-            "QuantizedKVCache",
-            "mx",
-            "tree_map",
-            "tree_reduce",
-        )
-    },
 )

@@ -222,11 +222,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:QuantizedKVCache.state",
     ),
-    uses={
-        "mlx_lm.models.cache": (
-            "Optional",
-            "RotatingKVCache",
-            "mx",
-        )
-    },
 )

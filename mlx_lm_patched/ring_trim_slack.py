@@ -62,5 +62,4 @@ PATCH = Patch(
     "can_trim_prompt_cache(cache, num_tokens)",
     targets("mlx_lm.models.cache", can_trim_prompt_cache, trim_prompt_cache),
     requires=("mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",),
-    uses={"mlx_lm.models.cache": ("Any", "List", "Optional")},
 )

@@ -464,5 +464,4 @@ PATCH = Patch(
         RotatingKVCache,
         removes=("_trim", "_update_concat", "_update_in_place"),
     ),
-    uses={"mlx_lm.models.base": ("mx",), "mlx_lm.models.cache": ("Optional", "mx")},
 )

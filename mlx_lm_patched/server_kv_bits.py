@@ -292,17 +292,4 @@ PATCH = Patch(
         {"_is_batchable": "329f82e54a80", "_generate": "1531444ae206"},
     ),
     requires=("mlx_lm.generate:BatchGenerator.__init__",),  # kv_bits
-    uses={
-        "mlx_lm.server": (
-            "BatchGenerator",
-            "GenerationContext",
-            "Response",
-            "_format_top_logprobs",
-            "_image_parts",
-            "_make_logits_processors",
-            "_make_sampler",
-            "gc",
-            "mx",
-        )
-    },
 )

@@ -277,22 +277,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
         "mlx_lm.models.cache:DiskLRUPromptCache",
     ),
-    uses={
-        "mlx_lm.server": (
-            "APIHandler",
-            "DEFAULT_QUANTIZED_KV_START",
-            "LRUPromptCache",
-            "ModelProvider",
-            "Path",
-            "ResponseGenerator",
-            "ThreadingHTTPServer",
-            "_parse_size",
-            "_run_http_server",
-            "argparse",
-            "json",
-            "logging",
-            "maybe_set_recommended_wired_limit",
-            "mx",
-        )
-    },
 )

@@ -173,23 +173,4 @@ PATCH = Patch(
         "mlx_lm.models.cache:RotatingKVCache.trimmable_tokens",
         "mlx_lm.models.cache:trim_prompt_cache",
     ),
-    uses={
-        "mlx_lm.generate": (
-            "Generator",
-            "GenerationResponse",
-            "List",
-            "Optional",
-            "PreTrainedTokenizer",
-            "TokenizerWrapper",
-            "Union",
-            "generate_step",
-            "generation_stream",
-            "make_prompt_cache",
-            "mx",
-            "nn",
-            "speculative_generate_step",
-            "time",
-            "wired_limit",
-        )
-    },
 )

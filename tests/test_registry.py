@@ -336,15 +336,22 @@ def test_reverting_a_patch_reverts_the_patches_that_need_it():
     assert all(s["applied"] for s in mlx_lm_patched.status().values())
 
 
-def test_every_upstream_name_a_patch_reads_is_declared():
-    assert _registry.undeclared_uses(mlx_lm_patched.PATCHES) == {}
+class Renamed:
+    """Test-only: reads a global the installed upstream does not bind."""
+
+    def reads_renamed(self):
+        return renamed_upstream  # noqa: F821
 
 
-def test_a_declared_name_upstream_lacks_keeps_the_patch_off(probe):
-    probe.uses = {"mlx_lm.models.cache": ("renamed_upstream",)}
-    with pytest.warns(PatchDriftWarning, match="renamed_upstream is missing"):
-        assert "test_probe" not in _registry.apply_patches([probe])
-    assert "added_by_probe" not in ChunkedKVCache.__dict__
+def test_a_name_upstream_lacks_keeps_the_patch_off(probe):
+    reader = _registry.Patch(
+        "test_reader",
+        "test only",
+        _registry.class_patch(OWNER, Renamed, {"reads_renamed": None}),
+    )
+    with pytest.warns(PatchDriftWarning, match=r"\['renamed_upstream'\]"):
+        assert "test_reader" not in _registry.apply_patches([reader])
+    assert "reads_renamed" not in ChunkedKVCache.__dict__
 
 
 def drifted(patch):

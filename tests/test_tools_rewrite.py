@@ -111,7 +111,6 @@ def _throwaway() -> Patch:
         + class_patch(
             f"{CACHE}:KVCache", KVCache, fps, removes={"nbytes": _fp("nbytes")}
         ),
-        uses={CACHE: ("mx",)},
     )
 
 
@@ -383,7 +382,7 @@ def test_reindent_leaves_multiline_strings_alone():
     assert out[0] == "        def f(self):\n" and out[5] == "            return 1\n"
 
 
-# -- Patch.uses: the names pasted code takes from upstream ------------------------
+# -- the names pasted code takes from upstream --------------------------------------
 
 
 def _reads_upstream(self):
@@ -393,34 +392,24 @@ def _reads_upstream(self):
 _reads_upstream.__qualname__ = "KVCache.is_trimmable"
 
 
-def _reading(name: str, *uses: str) -> Patch:
+def _reading(name: str) -> Patch:
     """A patch whose code reads KVCache, _BaseCache and the throwaway
-    patch's helper, declaring ``uses``."""
+    patch's helper."""
     fp = _fp("is_trimmable")
-    target = Target(f"{CACHE}:KVCache", "is_trimmable", _reads_upstream, fp)
-    return Patch(name, "x", [target], uses={CACHE: uses} if uses else {})
+    return Patch(
+        name, "x", [Target(f"{CACHE}:KVCache", "is_trimmable", _reads_upstream, fp)]
+    )
 
 
-def test_uses_must_declare_each_name_taken_from_upstream(sdist):
-    first = _throwaway()  # adds _kv_size_times_one
-    assert check_uses([first, _reading("ok", "KVCache", "_BaseCache")], sdist) == []
-    assert check_uses([first, _reading("bare")], sdist) == [
-        "patch 'bare' takes ['KVCache', '_BaseCache'] from mlx_lm.models.cache: "
-        "declare them in its uses['mlx_lm.models.cache']"
-    ]
+def test_names_read_from_upstream_or_an_earlier_patch_are_found(sdist):
+    assert check_uses([_throwaway(), _reading("ok")], sdist) == []
 
 
-def test_uses_names_upstream_lacks_and_names_no_patch_added_yet(sdist):
-    declared = ("KVCache", "_BaseCache", "RenamedCache", "RotatingKVCache")
-    # The helper is added by a later patch: too late.
-    problems = check_uses([_reading("wrong", *declared), _throwaway()], sdist)
+def test_a_name_only_a_later_patch_adds_is_reported(sdist):
+    problems = check_uses([_reading("early"), _throwaway()], sdist)
     assert problems == [
-        "patch 'wrong' reads ['_kv_size_times_one'], which neither "
+        "patch 'early' reads ['_kv_size_times_one'], which neither "
         "mlx_lm.models.cache defines nor a patch up to this one adds",
-        "patch 'wrong' declares uses ['RenamedCache'] of mlx_lm.models.cache, "
-        "which the pinned upstream file does not define",
-        "patch 'wrong' declares uses ['RenamedCache', 'RotatingKVCache'] of "
-        "mlx_lm.models.cache, which its code does not read",
     ]
 
 

@@ -1,7 +1,7 @@
 """``check-patches``: is ``patches/`` what ``PATCHES`` generates, does it
 apply with ``patch -p1 --fuzz=0`` to the pinned sdist, do the fingerprints
-match its source, does the patched source define every name it reads (and
-``Patch.uses`` declare each one taken from upstream), does it import, and
+match its source, does the patched source define every name it reads, does
+it import, and
 does upstream's own test suite pass on the patched source (no worse than on
 the pristine sdist; each test a patch adds passing with it and the
 patches before it, failing without it)."""
@@ -36,8 +36,7 @@ from .testedits import added_tests
 def check_uses(patches: Sequence[Patch], tree: Path) -> List[str]:
     """Each global name a patch's pasted code reads must be a builtin, a name
     a patch up to this one adds to that module, or a name the pinned
-    upstream file binds; those taken from upstream must be declared in
-    ``Patch.uses``, and each declared name must be one upstream binds."""
+    upstream file binds."""
     problems: List[str] = []
     upstream: Dict[str, Set[str]] = {}
     added: Dict[str, Set[str]] = defaultdict(set)
@@ -65,32 +64,11 @@ def check_uses(patches: Sequence[Patch], tree: Path) -> List[str]:
             )
         who = f"patch {patch.name!r}"
         for module, names in sorted(reads.items()):
-            taken = names - added[module]
-            declared = set(patch.uses.get(module, ()))
-            unknown = sorted(taken - bound(module))
+            unknown = sorted(names - added[module] - bound(module))
             if unknown:
                 problems.append(
                     f"{who} reads {unknown}, which neither {module} defines nor "
                     "a patch up to this one adds"
-                )
-            undeclared = sorted((taken & bound(module)) - declared)
-            if undeclared:
-                problems.append(
-                    f"{who} takes {undeclared} from {module}: declare them in "
-                    f"its uses[{module!r}]"
-                )
-        for module, declared in sorted(patch.uses.items()):
-            absent = sorted(set(declared) - bound(module))
-            if absent:
-                problems.append(
-                    f"{who} declares uses {absent} of {module}, which the pinned "
-                    "upstream file does not define"
-                )
-            unread = sorted(set(declared) - reads.get(module, set()))
-            if unread:
-                problems.append(
-                    f"{who} declares uses {unread} of {module}, which its code "
-                    "does not read"
                 )
     return problems
 

@@ -42,6 +42,21 @@ from ._registry import (
 )
 
 __version__ = "0.1.0"
+__all__ = [
+    "PATCHES",
+    "UPSTREAM_VERSION",
+    "PatchDriftError",
+    "PatchDriftWarning",
+    "apply",
+    "batch_generate",
+    "fingerprint",
+    "generate",
+    "get_original",
+    "load",
+    "revert",
+    "status",
+    "stream_generate",
+]
 
 # Apply order; a patch may only require patches listed before it. Each
 # patch is its module's ``PATCH``: the module says what it fixes and why.

@@ -1,5 +1,6 @@
 """A change, not a copy: each patched upstream function merged onto the
-installed source, three ways, as ``git merge-file`` does.
+installed source, three ways, as ``git merge-file`` does (and the source
+helpers that takes: fingerprints, the names code reads).
 
 For every upstream function or method a patch changes, ``bases.json`` keeps
 the fingerprint of the source it was written against and the lines where
@@ -12,9 +13,13 @@ tracebacks show it. Only a real conflict (upstream changed lines we change,
 or removed the object) sets the object aside.
 """
 
+import dis
 import functools
+import hashlib
+import inspect
 import json
 import linecache
+import textwrap
 import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -22,6 +27,39 @@ from typing import Any, Dict, List, Optional, Sequence
 import merge3
 
 BASES_FILE = Path(__file__).with_name("bases.json")
+
+
+def source_of(obj: Any) -> str:
+    """The dedented source of a function, a property or a class."""
+    if isinstance(obj, property):
+        parts = [f for f in (obj.fget, obj.fset) if f is not None]
+        return "".join(source_of(f) for f in parts)
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    return textwrap.dedent(inspect.getsource(obj))
+
+
+def fingerprint_source(source: str) -> str:
+    """A short hash of source text, blank lines and comments kept."""
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def fingerprint(obj: Any) -> str:
+    """``fingerprint_source`` of an object's source (``source_of``)."""
+    return fingerprint_source(source_of(obj))
+
+
+def _global_reads(code: types.CodeType) -> set:
+    """Global names ``code`` (and the code nested in it) reads."""
+    names = {
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_reads(const)
+    return names
 
 
 class MergeConflict(Exception):

@@ -13,12 +13,9 @@ them.
 """
 
 import builtins
-import dis
-import hashlib
 import importlib
 import inspect
 import sys
-import textwrap
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -26,7 +23,14 @@ from importlib.metadata import version
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _merge
-from ._merge import MergeConflict
+from ._merge import (
+    MergeConflict,
+    _global_reads,
+    fingerprint,
+    fingerprint_source,
+    functions,
+    source_of,
+)
 
 UPSTREAM_VERSION = "0.32.2"
 
@@ -37,26 +41,6 @@ class PatchDriftWarning(UserWarning):
 
 class PatchDriftError(RuntimeError):
     """Raised instead of ``PatchDriftWarning`` when applying with ``strict=True``."""
-
-
-def source_of(obj: Any) -> str:
-    """The dedented source of a function, a property or a class."""
-    if isinstance(obj, property):
-        parts = [f for f in (obj.fget, obj.fset) if f is not None]
-        return "".join(source_of(f) for f in parts)
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    return textwrap.dedent(inspect.getsource(obj))
-
-
-def fingerprint_source(source: str) -> str:
-    """A short hash of source text, blank lines and comments kept."""
-    return hashlib.sha256(source.encode()).hexdigest()[:12]
-
-
-def fingerprint(obj: Any) -> str:
-    """``fingerprint_source`` of an object's source (``source_of``)."""
-    return fingerprint_source(source_of(obj))
 
 
 _MISSING = object()
@@ -174,33 +158,16 @@ class Patch:
         return [
             f"{fn.__qualname__} uses {gone}, which upstream lacks"
             for t in self.targets
-            for fn in _functions(t.new)
+            for fn in functions(t.new)
             if (gone := _unbound(fn, fn.__globals__))
         ]
-
-
-def _global_reads(code: types.CodeType) -> set:
-    """Global names ``code`` (and the code nested in it) reads."""
-    names = {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    }
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_reads(const)
-    return names
-
-
-def _functions(obj) -> List[types.FunctionType]:
-    return _merge.functions(obj)
 
 
 def _unbound(obj, namespace: dict) -> List[str]:
     """Global names ``obj``'s code reads that ``namespace`` does not bind and
     no patch adds to it (upstream removed them)."""
     module = namespace.get("__name__")
-    reads = set().union(*(_global_reads(f.__code__) for f in _functions(obj)))
+    reads = set().union(*(_global_reads(f.__code__) for f in functions(obj)))
     return sorted(
         n
         for n in reads
@@ -420,7 +387,7 @@ def _needs(targets: List[Target]) -> List[str]:
     own = {t.key for t in targets}
     out = set()
     for t in targets:
-        for fn in _functions(t.new):
+        for fn in functions(t.new):
             module = fn.__globals__.get("__name__")
             out.update(
                 _merge.base_key(module, n)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    import mlx.core
+    import mlx.core as mx
 
     from .rotating_prealloc import _pipeline
 

@@ -166,7 +166,8 @@ def check_release(patches: Sequence[Patch], version: str) -> Tuple[bool, str]:
         k: sum(v.startswith(k) for v in status.values()) for k in ("clean", "merged")
     }
     lines.append(
-        f"check-release {version}: {counts['clean']} clean, {counts['merged']} merged, "
-        f"{len(status) - sum(counts.values())} set aside: {'OK' if ok else 'CONFLICT'}"
+        f"check-release {version}: {'OK' if ok else 'CONFLICT'} ({counts['clean']} "
+        f"clean, {counts['merged']} merged, "
+        f"{len(status) - sum(counts.values())} set aside)"
     )
     return ok, "\n".join(lines)

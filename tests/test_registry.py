@@ -18,6 +18,7 @@ import mlx_lm_patched
 from mlx_lm_patched import (
     PatchDriftError,
     PatchDriftWarning,
+    _merge,
     _registry,
     rotating_prealloc,
 )
@@ -387,3 +388,31 @@ def test_another_installed_version_with_changed_sources_is_named_in_the_error(
         PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
     ):
         _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
+
+
+def test_global_reads_off_the_bytecode_are_what_dis_says():
+    """``_merge._global_reads`` reads LOAD_GLOBAL/LOAD_NAME off ``co_code``;
+    for every patched function it must equal ``dis``'s answer."""
+    import dis
+    import types
+
+    def reference(code):
+        names = {
+            i.argval
+            for i in dis.get_instructions(code)
+            if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+        }
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= reference(const)
+        return names
+
+    codes = [
+        fn.__code__
+        for p in mlx_lm_patched.PATCHES
+        for t in p.targets
+        for fn in _merge.functions(t.new)
+    ]
+    assert len(codes) > 150
+    for code in codes:
+        assert _merge._global_reads(code) == reference(code), code.co_qualname

@@ -84,15 +84,18 @@ class ResponseGenerator:
                         prompt, segments, segment_types, initial_state, _ = (
                             self._tokenize(current_tokenizer, request, args)
                         )
+                        # server_failures: what a request's arguments raise
+                        # fails that request, not the batch.
+                        stop_sequences, text_sm = self._make_state_machine(
+                            self.model_provider.model_key,
+                            current_tokenizer,
+                            args.stop_words,
+                        )
+                        sampler = _make_sampler(args, current_tokenizer)
+                        logits_processors = _make_logits_processors(args)
                     except Exception as e:
                         rqueue.put(e)
                         continue
-
-                    stop_sequences, text_sm = self._make_state_machine(
-                        self.model_provider.model_key,
-                        current_tokenizer,
-                        args.stop_words,
-                    )
 
                     self._log_cache_stats()
                     cache, rest = self.prompt_cache.fetch_nearest_cache(
@@ -124,8 +127,8 @@ class ResponseGenerator:
                         max_tokens=[args.max_tokens],
                         caches=[cache],
                         all_tokens=[prompt[:prompt_cache_count]],
-                        samplers=[_make_sampler(args, current_tokenizer)],
-                        logits_processors=[_make_logits_processors(args)],
+                        samplers=[sampler],
+                        logits_processors=[logits_processors],
                         stop_sequences=[stop_sequences],
                     )
                     batch_results[uid] = {

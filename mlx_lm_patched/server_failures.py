@@ -316,7 +316,9 @@ PATCH = Patch(
     ),
     uses={
         "mlx_lm.server": (
+            "CompletionRequest",
             "GenerationArguments",
+            "List",
             "LogitsProcessorArguments",
             "ModelDescription",
             "QueueEmpty",

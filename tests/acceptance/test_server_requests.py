@@ -184,3 +184,27 @@ def test_logit_bias_the_handler_cannot_check_fails_its_request_alone(server, mod
     assert server.proc.poll() is None
     assert server.get("/health")["status"] == "ok"
     assert answers_a_valid_request(server)
+
+
+def test_a_request_failing_in_a_batch_step_leaves_the_others_in_it_going(
+    server, model_dir
+):
+    """Two requests for that other path share a batch: the one whose logit
+    bias the handler could not check fails with a 400 naming it, the one
+    already streaming ends normally."""
+    model = str(model_dir("llama")) + "/"
+    bad = {**VALID, "model": model, "logit_bias": {str(VOCAB): 5}}
+    good = {**VALID, "model": model, "max_tokens": 200, "stream": True}
+    failed = []
+
+    def on_event(event):
+        if not failed:  # the good request is generating: the bad one joins it
+            failed.append(post_raw(server.port, "/v1/completions", bad))
+
+    status, events = server.post("/v1/completions", good, on_event=on_event)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not any("error" in e for e in events[:-1])
+    assert failed[0][0] == 400 and "logit_bias" in failed[0][1], failed
+    assert "requests failed" not in server.log_path.read_text()  # no restart

@@ -30,15 +30,19 @@ class TestServerFailures(unittest.TestCase):
 
     def test_failing_request_fails_alone(self):
         url = f"http://localhost:{self.port}/v1/completions"
-        # top_k past the vocabulary: the sampler raises in the batch step.
-        body = {"prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_k": 10**9}
-        response = requests.post(url, json=body, timeout=60)
-        self.assertIn(response.status_code, (400, 500))
-        self.assertIn("error", response.json())
-        self.assertTrue(self.response_generator.generation_available())
-        body = {"prompt": "hi", "max_tokens": 4}
-        response = requests.post(url, json=body, timeout=60)
-        self.assertEqual(response.status_code, 200)
+        for body in [
+            # The sampler raises in a batch step.
+            {"prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_k": 10**9},
+            # Nothing to prefill.
+            {"prompt": "", "max_tokens": 4},
+        ]:
+            response = requests.post(url, json=body, timeout=60)
+            self.assertIn(response.status_code, (400, 500))
+            self.assertIn("error", response.json())
+            self.assertTrue(self.response_generator.generation_available())
+            valid = {"prompt": "hi", "max_tokens": 4}
+            response = requests.post(url, json=valid, timeout=60)
+            self.assertEqual(response.status_code, 200)
 
     def test_non_stream_request_is_cancelled_when_its_client_leaves(self):
         body = json.dumps({"prompt": "hi", "max_tokens": 10**6}).encode()

@@ -262,7 +262,7 @@ class APIHandler:
         # Bounded by the vocabulary where the model is loaded; otherwise
         # the generation thread checks the logit bias.
         vocab_size = self._vocab_size()
-        top_k_max = MAX_TOKENS if vocab_size is None else vocab_size
+        top_k_max = MAX_TOKENS if vocab_size is None else vocab_size - 1
         self._validate("top_k", int, min_val=0, max_val=top_k_max)
         if self.logit_bias is not None:
             try:

@@ -45,6 +45,11 @@ ATTACKS = {
         {**VALID, "temperature": 1.0, "top_k": 10**9},
         "top_k",
     ),
+    "top_k = vocab": (
+        "/v1/completions",
+        {**VALID, "temperature": 1.0, "top_k": VOCAB},
+        "top_k",
+    ),
     "top_p 1.5": ("/v1/completions", {**VALID, "top_p": 1.5}, "top_p"),
     "min_p 2": ("/v1/completions", {**VALID, "min_p": 2}, "min_p"),
     "temperature nan": (

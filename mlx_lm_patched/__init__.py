@@ -29,8 +29,10 @@ from . import (
     quantized_ring,
     ring_trim_slack,
     rotating_prealloc,
+    server_failures,
     server_kv_bits,
     server_prompt_cache,
+    server_requests,
     speculative_bounded,
 )
 from ._registry import (
@@ -81,6 +83,8 @@ PATCHES: List[_registry.Patch] = [
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
     server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
     kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
+    server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
+    server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

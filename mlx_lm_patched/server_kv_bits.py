@@ -10,12 +10,33 @@ With ``batch_generator_kv_bits`` it has: requests are batched as without
 ``--prompt-cache-bytes`` after every batch step (upstream does only when a
 request joins the batch, so the caches a step inserts and the batch's growth
 went past it; ml-explore/mlx-lm#1390, #1807).
+
+A request whose sampler or logits processor raises in a batch step (a
+``top_k`` or ``logit_bias`` id past the vocabulary) gets the error and
+leaves the batch (``_failing_alone``); upstream's step raised out of
+``_generate`` and ended the generation thread with every request in it
+(see ``server_failures``).
 """
 
-from ._registry import Patch, class_patch
+from ._registry import Patch, Target, class_patch, pasted_into
 
 
 # Written as it reads in mlx_lm/server.py, and run there.
+def _failing_alone(fn, errors, fallback):
+    """``fn``, keeping what it raises in ``errors`` and answering as
+    ``fallback`` instead: one request's sampler or logits processor fails
+    that request, not the batch step."""
+
+    def call(*args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            errors.append(e)
+            return fallback(*args)
+
+    return call
+
+
 class ResponseGenerator:
     def _is_batchable(self, args):
         return self.model_provider.is_batchable and args.seed is None
@@ -84,15 +105,26 @@ class ResponseGenerator:
                         prompt, segments, segment_types, initial_state, _ = (
                             self._tokenize(current_tokenizer, request, args)
                         )
+                        # server_failures: what a request's arguments raise,
+                        # here or in a batch step, fails that request alone.
+                        stop_sequences, text_sm = self._make_state_machine(
+                            self.model_provider.model_key,
+                            current_tokenizer,
+                            args.stop_words,
+                        )
+                        errors = []
+                        sampler = _failing_alone(
+                            _make_sampler(args, current_tokenizer),
+                            errors,
+                            lambda logprobs: mx.argmax(logprobs, axis=-1),
+                        )
+                        logits_processors = [
+                            _failing_alone(p, errors, lambda _, logits: logits)
+                            for p in _make_logits_processors(args)
+                        ]
                     except Exception as e:
                         rqueue.put(e)
                         continue
-
-                    stop_sequences, text_sm = self._make_state_machine(
-                        self.model_provider.model_key,
-                        current_tokenizer,
-                        args.stop_words,
-                    )
 
                     self._log_cache_stats()
                     cache, rest = self.prompt_cache.fetch_nearest_cache(
@@ -124,8 +156,8 @@ class ResponseGenerator:
                         max_tokens=[args.max_tokens],
                         caches=[cache],
                         all_tokens=[prompt[:prompt_cache_count]],
-                        samplers=[_make_sampler(args, current_tokenizer)],
-                        logits_processors=[_make_logits_processors(args)],
+                        samplers=[sampler],
+                        logits_processors=[logits_processors],
                         stop_sequences=[stop_sequences],
                     )
                     batch_results[uid] = {
@@ -134,6 +166,7 @@ class ResponseGenerator:
                         "detokenizer": current_tokenizer.detokenizer,
                         "segment_types": segment_types[::-1],
                         "top_logprobs": args.top_logprobs,
+                        "errors": errors,
                     }
                     # just making sure we don't leave a reference around
                     del cache
@@ -196,6 +229,12 @@ class ResponseGenerator:
                 uids_to_remove = []
                 for _ in self._time_budget:
                     prompt_responses, gen_responses = batch_generator.next()
+                    # server_failures: a request whose sampler or logits
+                    # processor raised gets the error and leaves the batch.
+                    for result in batch_results.values():
+                        if result["errors"] and not result["ctx"]._should_stop:
+                            result["rqueue"].put(result["errors"][0])
+                            result["ctx"].stop()
                     if not prompt_responses and not gen_responses:
                         break
 
@@ -286,7 +325,15 @@ class ResponseGenerator:
 PATCH = Patch(
     "server_kv_bits",
     "server: batch requests with --kv-bits, passing it to BatchGenerator",
-    class_patch(
+    [
+        Target(
+            "mlx_lm.server",
+            "_failing_alone",
+            pasted_into("mlx_lm.server", _failing_alone),
+            None,
+        )
+    ]
+    + class_patch(
         "mlx_lm.server:ResponseGenerator",
         ResponseGenerator,
         {"_is_batchable": "329f82e54a80", "_generate": "1531444ae206"},

@@ -25,11 +25,24 @@ connection after every token and progress report of a non-stream request
 import json
 import logging
 import weakref
-from typing import List
+from typing import TYPE_CHECKING, List
 
 from mlx_lm.server import CompletionRequest
 
-from ._registry import Patch, Target, class_patch
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import socket
+
+    from mlx_lm.server import (
+        GenerationArguments,
+        LogitsProcessorArguments,
+        ModelDescription,
+        QueueEmpty,
+        SamplingArguments,
+        TextStateMachine,
+        ToolCallFormatter,
+    )
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
@@ -303,31 +316,7 @@ PATCH = Patch(
     "server_failures",
     "server: a failing request fails alone, with an error to its client; "
     "a non-stream request whose client left is cancelled",
-    [Target("mlx_lm.server", "weakref", weakref, None)]
-    + class_patch(
-        "mlx_lm.server:ResponseGenerator",
-        ResponseGenerator,
-        {"_run_generate": "1e2b97ab5f29", "_next_request": "c01b2da6883e"},
-    )
-    + class_patch(
-        "mlx_lm.server:APIHandler",
-        APIHandler,
-        {"_client_disconnected": None, "handle_completion": "c82c6119c018"},
-    ),
-    uses={
-        "mlx_lm.server": (
-            "CompletionRequest",
-            "GenerationArguments",
-            "List",
-            "LogitsProcessorArguments",
-            "ModelDescription",
-            "QueueEmpty",
-            "SamplingArguments",
-            "TextStateMachine",
-            "ToolCallFormatter",
-            "json",
-            "logging",
-            "socket",
-        )
-    },
+    targets("mlx_lm.server", weakref)
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + targets("mlx_lm.server:APIHandler", APIHandler),
 )

@@ -18,7 +18,23 @@ leaves the batch (``_failing_alone``); upstream's step raised out of
 (see ``server_failures``).
 """
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from typing import TYPE_CHECKING
+
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import gc
+
+    import mlx.core as mx
+    from mlx_lm.server import (
+        BatchGenerator,
+        GenerationContext,
+        Response,
+        _format_top_logprobs,
+        _image_parts,
+        _make_logits_processors,
+        _make_sampler,
+    )
 
 
 # Written as it reads in mlx_lm/server.py, and run there.
@@ -325,18 +341,7 @@ class ResponseGenerator:
 PATCH = Patch(
     "server_kv_bits",
     "server: batch requests with --kv-bits, passing it to BatchGenerator",
-    [
-        Target(
-            "mlx_lm.server",
-            "_failing_alone",
-            pasted_into("mlx_lm.server", _failing_alone),
-            None,
-        )
-    ]
-    + class_patch(
-        "mlx_lm.server:ResponseGenerator",
-        ResponseGenerator,
-        {"_is_batchable": "329f82e54a80", "_generate": "1531444ae206"},
-    ),
+    targets("mlx_lm.server", _failing_alone)
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=("mlx_lm.generate:BatchGenerator.__init__",),  # kv_bits
 )

@@ -26,8 +26,12 @@ writing out of bounds (``_make_logits_processors``).
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.server import make_logits_processors
 
 # A request body larger than this is refused (413) before it is read.
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -303,25 +307,11 @@ PATCH = Patch(
     "server_requests",
     "server: a bad request gets a 400 naming the parameter; a body over "
     "MAX_REQUEST_BYTES a 413",
-    [
-        Target("mlx_lm.server", "MAX_REQUEST_BYTES", MAX_REQUEST_BYTES, None),
-        Target("mlx_lm.server", "MAX_TOKENS", MAX_TOKENS, None),
-        Target(
-            "mlx_lm.server",
-            "_make_logits_processors",
-            pasted_into("mlx_lm.server", _make_logits_processors),
-            "174c15ca7108",
-        ),
-    ]
-    + class_patch(
-        "mlx_lm.server:APIHandler",
-        APIHandler,
-        {
-            "do_POST": "ec45e8909347",
-            "_validate": "acfc475c681b",
-            "_vocab_size": None,
-            "validate_model_parameters": "c121624e6d21",
-        },
-    ),
-    uses={"mlx_lm.server": ("json", "logging", "make_logits_processors")},
+    targets(
+        "mlx_lm.server",
+        _make_logits_processors,
+        MAX_REQUEST_BYTES=MAX_REQUEST_BYTES,
+        MAX_TOKENS=MAX_TOKENS,
+    )
+    + targets("mlx_lm.server:APIHandler", APIHandler),
 )

@@ -100,6 +100,7 @@ class DiskPromptCache:
         self._files = {}
         self._n_bytes = 0  # every entry file in the directory, at the last count
         self._digests = {}  # (directory, its files' stats) -> digest
+        self._layouts = {}  # model key -> prompt_cache_layout of its own caches
         self._lock_dir()
         try:
             for name, entry in self._scan():
@@ -359,6 +360,7 @@ class DiskPromptCache:
                 (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
             )
         model = self._model_key(model)
+        self._layouts.setdefault(model, prompt_cache_layout(cache))
         metadata = {
             "model": model,
             "tokens": json.dumps(tokens),
@@ -367,6 +369,11 @@ class DiskPromptCache:
         host = prompt_cache_to_host(cache, metadata)
         entry = (model, tokens, trimmable)
         self._queue.put((self._name(model, tokens), entry, host))
+
+    def learn(self, model: Any, cache: List[Any]):
+        """Take ``cache`` as what ``model``'s caches look like: an entry of
+        ``model`` with other layers or head dims is a miss."""
+        self._layouts.setdefault(self._model_key(model), prompt_cache_layout(cache))
 
     def _write_loop(self):
         while (item := self._queue.get()) is not None:
@@ -486,6 +493,12 @@ class DiskPromptCache:
                     return None
                 name = self._name(model, stored)
             cache = self._load(name)
+            expected = self._layouts.get(model)
+            if cache is not None and expected is not None:
+                why = prompt_cache_mismatch(expected, cache)
+                if why is not None:
+                    logging.warning(f"[prompt cache] skipping {name}: {why}")
+                    cache = None
             if cache is not None and len(stored) > n:
                 if can_trim_prompt_cache(cache, len(stored) - n):
                     trim_prompt_cache(cache, len(stored) - n)
@@ -529,10 +542,19 @@ class DiskLRUPromptCache(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
         if rest:
-            found = self.disk.get(model, tokens, cached=len(tokens) - len(rest))
+            try:
+                found = self.disk.get(model, tokens, cached=len(tokens) - len(rest))
+            except Exception as e:  # a miss, never the generation thread's end
+                logging.warning(f"[prompt cache] disk tier failed: {e!r}")
+                found = None
             if found is not None:
                 return found
         return cache, rest
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):
+        # What the disk tier serves this model must look like its own caches.
+        self.disk.learn(model, prompt_cache)
+        return LRUPromptCache.insert_cache(self, model, tokens, prompt_cache, **kwargs)
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)
@@ -570,7 +592,7 @@ PATCH = Patch(
         Target("mlx_lm.models.cache", "DiskPromptCache", DiskPromptCache, None),
         Target("mlx_lm.models.cache", "DiskLRUPromptCache", DiskLRUPromptCache, None),
     ],
-    requires=("host_export", "prompt_cache_store"),
+    requires=("host_export", "prompt_cache_store", "prompt_cache_files"),
     uses={
         "mlx_lm.models.cache": (
             "Any",
@@ -579,6 +601,8 @@ PATCH = Patch(
             "PromptTrie",
             "can_trim_prompt_cache",
             "mx",
+            "prompt_cache_layout",
+            "prompt_cache_mismatch",
             "trim_prompt_cache",
         )
     },

@@ -61,6 +61,43 @@ def run(
         disk.close()
 
 
+def _parse_byte_size(x: str) -> int:
+    """Bytes from ``4096``, ``10K``, ``4M``, ``2.5G``, ``1T``: powers of 1000
+    as in upstream's ``_parse_size`` (``KB``, ``MB``, ... too), ``KiB``,
+    ``MiB``, ... powers of 1024."""
+    text = x.strip().upper()
+    binary = text.endswith("IB")
+    text = text[:-2] if binary else text[:-1] if text.endswith("B") else text
+    unit = text[-1:] if text[-1:] in ("K", "M", "G", "T") else ""
+    whole, _, frac = text[: len(text) - len(unit)].strip().partition(".")
+    scale = (1024 if binary else 1000) ** ("KMGT".find(unit) + 1) if unit else 1
+    digits = whole + frac
+    if not (digits.isascii() and digits.isdecimal()) or (binary and not unit):
+        raise argparse.ArgumentTypeError(
+            f"{x!r} is not a size: a number of bytes, or one with K, M, G or T "
+            "(10K, 4M, 2G)"
+        )
+    return int(whole or 0) * scale + int(frac or 0) * scale // 10 ** len(frac)
+
+
+def _prompt_cache_dir(x: str) -> str:
+    """``x``, a directory the prompt cache can list and write (made if missing)."""
+    try:
+        path = Path(x)
+        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        next(path.iterdir(), None)
+        probe = path / ".write-check"
+        probe.touch()
+        probe.unlink(missing_ok=True)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-cache-dir {x}: {e.strerror or e}"
+        ) from None
+    return x
+
+
 class ResponseGenerator:
     def _log_cache_stats(self):
         n_sequences = len(self.prompt_cache)
@@ -205,18 +242,18 @@ def main():
     )
     parser.add_argument(
         "--prompt-cache-bytes",
-        type=_parse_size,
+        type=_parse_byte_size,
         help="Maximum size in bytes of the KV caches",
     )
     parser.add_argument(
         "--prompt-cache-dir",
-        type=str,
+        type=_prompt_cache_dir,
         help="Directory where the prompt cache keeps what it evicts from memory; "
         "entries are found again after a restart",
     )
     parser.add_argument(
         "--prompt-cache-disk-bytes",
-        type=_parse_size,
+        type=_parse_byte_size,
         default="16G",
         help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
     )
@@ -268,6 +305,10 @@ PATCH = Patch(
             "mlx_lm.server", "main", pasted_into("mlx_lm.server", main), "747b1f39c7f1"
         ),
     ]
+    + [
+        Target("mlx_lm.server", f.__name__, pasted_into("mlx_lm.server", f), None)
+        for f in (_parse_byte_size, _prompt_cache_dir)
+    ]
     + class_patch(
         "mlx_lm.server:ResponseGenerator",
         ResponseGenerator,
@@ -283,7 +324,6 @@ PATCH = Patch(
             "Path",
             "ResponseGenerator",
             "ThreadingHTTPServer",
-            "_parse_size",
             "_run_http_server",
             "argparse",
             "json",

@@ -9,7 +9,10 @@ head dims (96 with 64 quantizes with 32) is refused by the very command
 that wrote it. Here ``maybe_quantize_kv_cache`` raises a ``ValueError``
 naming ``kv_bits``/``kv_group_size`` and the valid values at the first model
 call, and ``main`` asks the loaded cache whether it quantizes with the
-requested group size (``QuantizedKVCache.quantizes_with``).
+requested group size (``QuantizedKVCache.quantizes_with``). A cache file
+whose layer count or head layout is not the model's (upstream runs a 4-layer
+cache on a 2- or 6-layer model with no error) is refused before the first
+token (``prompt_cache_mismatch``).
 """
 
 from ._registry import Patch, Target, pasted_into
@@ -89,6 +92,18 @@ def main():
         return_config=True,
         trust_remote_code=args.trust_remote_code,
     )
+    if using_cache:
+        # A cache of other layers or head dims runs on, or fails mid-generation.
+        from .models.cache import prompt_cache_layout, prompt_cache_mismatch
+
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        mismatch = prompt_cache_mismatch(prompt_cache_layout(probe), prompt_cache)
+        if mismatch is not None:
+            raise ValueError(
+                f"{args.prompt_cache_file} does not fit the model {model_path}: "
+                f"{mismatch}"
+            )
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -199,7 +214,8 @@ PATCH = Patch(
             ("main", main, "1830d4c1a9b7"),
         )
     ],
-    requires=("quantized_cache",),  # QuantizedKVCache.quantizes_with
+    # QuantizedKVCache.quantizes_with; prompt_cache_layout, prompt_cache_mismatch
+    requires=("quantized_cache", "prompt_cache_files"),
     uses={
         "mlx_lm.generate": (
             "DEFAULT_MODEL",
@@ -209,6 +225,7 @@ PATCH = Patch(
             "load",
             "load_processor",
             "load_prompt_cache",
+            "make_prompt_cache",
             "make_sampler",
             "mx",
             "np",

@@ -527,6 +527,7 @@ class DiskPromptCache:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+            os.close(self._dir_fd)
 
 
 class DiskLRUPromptCache(LRUPromptCache):

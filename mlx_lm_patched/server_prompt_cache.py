@@ -81,20 +81,16 @@ def _parse_byte_size(x: str) -> int:
 
 
 def _prompt_cache_dir(x: str) -> str:
-    """``x``, a directory the prompt cache can list and write (made if missing)."""
+    """``x``, a directory the prompt cache can list (made if missing)."""
     try:
         path = Path(x)
         path.mkdir(parents=True, exist_ok=True)
         if not path.is_dir():
             raise NotADirectoryError(20, "Not a directory")
         next(path.iterdir(), None)
-        probe = path / ".write-check"
-        probe.touch()
-        probe.unlink(missing_ok=True)
     except OSError as e:
-        raise argparse.ArgumentTypeError(
-            f"--prompt-cache-dir {x}: {e.strerror or e}"
-        ) from None
+        why = "not a directory" if isinstance(e, FileExistsError) else e.strerror
+        raise argparse.ArgumentTypeError(f"{x}: {why or e}") from None
     return x
 
 

@@ -205,7 +205,8 @@ def main():
 PATCH = Patch(
     "generate_kv_checks",
     "generate: --kv-bits/--kv-group-size checked before the first token; a "
-    "prompt cache file's lowered group size accepted",
+    "prompt cache file's lowered group size accepted, one of another layout "
+    "refused",
     [
         Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), fp)
         for name, f, fp in (

@@ -572,7 +572,9 @@ DiskLRUPromptCache = cache_class(
 PATCH = Patch(
     "prompt_cache_disk",
     "DiskPromptCache: prompt caches on disk, written by a background thread, "
-    "bit-exact, bounded, found again after a restart",
+    "bit-exact, bounded, found again after a restart; served only if every "
+    "header field is verified and the weights are the same, the budget held "
+    "for a directory replicas share",
     [
         Target("mlx_lm.models.cache", m.__name__, m, None)
         for m in (
@@ -602,8 +604,6 @@ PATCH = Patch(
             "PromptTrie",
             "can_trim_prompt_cache",
             "mx",
-            "prompt_cache_layout",
-            "prompt_cache_mismatch",
             "trim_prompt_cache",
         )
     },

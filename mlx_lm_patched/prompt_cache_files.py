@@ -14,6 +14,16 @@ garbage, fails on a negative offset or ``max_size`` 0 with
 ``ZeroDivisionError``, on a state under another class's name with ``too many
 values to unpack``, and on changed bits with a broadcast error at decode.
 Now: ``ValueError`` naming the file, the layer and the inconsistency.
+
+The rest of a file is checked too: metadata that does not unflatten, a
+string where the list of scalars goes, a scalar that is not one integer
+(an offset stored as a float loaded silently), keys or values that are not
+floats (integers loaded silently) or hold NaN or infinities, an array that
+is no state entry: each a ``ValueError`` naming the file, where upstream
+raised ``KeyError``, ``TypeError``, an error naming no file, or nothing.
+``prompt_cache_mismatch`` says why a cache cannot serve a model (another
+layer count or head layout; ``prompt_cache_layout``), for ``generate
+--prompt-cache-file`` and the server's disk tier.
 """
 
 from typing import Any, Dict, List, Optional
@@ -226,7 +236,8 @@ prompt_cache_mismatch = pasted_into("mlx_lm.models.cache", prompt_cache_mismatch
 
 PATCH = Patch(
     "prompt_cache_files",
-    "load_prompt_cache: a ValueError naming the file for every file it cannot load",
+    "load_prompt_cache: a ValueError naming the file for every file it cannot "
+    "load; prompt_cache_mismatch: a cache of another layout is refused",
     [
         Target(
             "mlx_lm.models.cache",

@@ -17,7 +17,11 @@ background thread, read back where memory has less of a prompt, and found
 again after a restart (stopped with Ctrl-C, the server writes what memory
 still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR.
 Upstream's ``main`` builds its parser inline, so it is here whole, with
-the two flags added.
+the two flags added. Its size flags took upstream's ``_parse_size``, whose
+``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
+``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
+or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
+file or a directory it cannot list (``_prompt_cache_dir``).
 """
 
 from http.server import ThreadingHTTPServer
@@ -292,7 +296,8 @@ def main():
 PATCH = Patch(
     "server_prompt_cache",
     "server: --prompt-cache-bytes holds on every insert and after every batch "
-    "step; --prompt-cache-dir keeps evicted prompt caches on disk",
+    "step; --prompt-cache-dir keeps evicted prompt caches on disk; bad sizes "
+    "and directories are one-line errors",
     [
         Target(
             "mlx_lm.server", "run", pasted_into("mlx_lm.server", run), "8f50bb2caad4"

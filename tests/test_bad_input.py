@@ -698,9 +698,7 @@ def test_a_cache_of_other_layers_or_heads_does_not_fit(layers, heads, dim, why):
         return out
 
     expected = prompt_cache_layout(caches(2, 2, 4))
-    assert re.match(
-        why, prompt_cache_mismatch(expected, caches(layers, heads, dim))
-    )
+    assert re.match(why, prompt_cache_mismatch(expected, caches(layers, heads, dim)))
     assert prompt_cache_mismatch(expected, caches(2, 2, 4)) is None
     quantized_model = prompt_cache_layout(caches(2, 2, 64))
     assert prompt_cache_mismatch(quantized_model, caches(2, 2, 64, True)) is None

@@ -360,7 +360,7 @@ class DiskPromptCache:
                 (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
             )
         model = self._model_key(model)
-        self._layouts.setdefault(model, prompt_cache_layout(cache))
+        self._learn(model, cache)
         metadata = {
             "model": model,
             "tokens": json.dumps(tokens),
@@ -373,7 +373,14 @@ class DiskPromptCache:
     def learn(self, model: Any, cache: List[Any]):
         """Take ``cache`` as what ``model``'s caches look like: an entry of
         ``model`` with other layers or head dims is a miss."""
-        self._layouts.setdefault(self._model_key(model), prompt_cache_layout(cache))
+        self._learn(self._model_key(model), cache)
+
+    def _learn(self, key: str, cache: List[Any]):
+        if key not in self._layouts:
+            try:
+                self._layouts[key] = prompt_cache_layout(cache)
+            except Exception:
+                pass  # a cache kind it cannot describe: nothing to compare
 
     def _write_loop(self):
         while (item := self._queue.get()) is not None:
@@ -554,12 +561,18 @@ class DiskLRUPromptCache(LRUPromptCache):
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):
         # What the disk tier serves this model must look like its own caches.
-        self.disk.learn(model, prompt_cache)
+        try:
+            self.disk.learn(model, prompt_cache)
+        except Exception as e:  # never the generation thread's end
+            logging.warning(f"[prompt cache] disk tier failed: {e!r}")
         return LRUPromptCache.insert_cache(self, model, tokens, prompt_cache, **kwargs)
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)
-        self.disk.put(model, tokens, entry.prompt_cache)
+        try:
+            self.disk.put(model, tokens, entry.prompt_cache)
+        except Exception as e:  # not written: a miss later, never an error now
+            logging.warning(f"[prompt cache] disk tier failed: {e!r}")
         return model, tokens, entry
 
 

@@ -64,9 +64,7 @@ def _prompt_cache_from_arrays(
     states = {}
     for key in arrays:
         parts = key.split(".")
-        if not (
-            2 <= len(parts) <= 3 and all(p.isascii() and p.isdigit() for p in parts)
-        ):
+        if not (len(parts) >= 2 and all(p.isascii() and p.isdigit() for p in parts)):
             raise ValueError(f"{source} has an array {key!r} that is no state entry")
         states.setdefault(int(parts[0]), set()).add(int(parts[1]))
     for layer, indices in sorted(states.items()):

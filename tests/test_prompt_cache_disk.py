@@ -329,11 +329,6 @@ def other_tokens(header):
     header["__metadata__"]["0.tokens"] = json.dumps(PROMPT[:93])
 
 
-def longer_claim(header):
-    other_tokens(header)
-    return True  # renamed to the hash of the tokens it claims
-
-
 # name: (edit, renamed to match the edit's hash, model family)
 EDITS = {
     "floats read as ints": (as_ints, False, "llama"),

@@ -10,7 +10,7 @@ import os
 import shutil
 
 from harness import LONG, MAX_TOKENS, Server, run
-from test_server_prompt_cache_disk import complete, entries, interrupt
+from test_server_prompt_cache_disk import entries, interrupt
 
 SHORTER = " ".join(LONG.split()[:-12])
 

@@ -9,10 +9,33 @@ head dims (96 with 64 quantizes with 32) is refused by the very command
 that wrote it. Here ``maybe_quantize_kv_cache`` raises a ``ValueError``
 naming ``kv_bits``/``kv_group_size`` and the valid values at the first model
 call, and ``main`` asks the loaded cache whether it quantizes with the
-requested group size (``QuantizedKVCache.quantizes_with``).
+requested group size (``QuantizedKVCache.quantizes_with``). A cache file
+whose layer count or head layout is not the model's (upstream runs a 4-layer
+cache on a 2- or 6-layer model with no error) is refused before the first
+token (``prompt_cache_mismatch``).
 """
 
-from ._registry import Patch, Target, pasted_into
+from typing import TYPE_CHECKING
+
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import json
+    import sys
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import (
+        DEFAULT_MODEL,
+        QuantizedKVCache,
+        generate,
+        load,
+        load_processor,
+        load_prompt_cache,
+        make_prompt_cache,
+        make_sampler,
+        setup_arg_parser,
+    )
 
 # Written as they read in mlx_lm/generate.py, and run there.
 
@@ -89,6 +112,18 @@ def main():
         return_config=True,
         trust_remote_code=args.trust_remote_code,
     )
+    if using_cache:
+        # A cache of other layers or head dims runs on, or fails mid-generation.
+        from .models.cache import prompt_cache_layout, prompt_cache_mismatch
+
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        mismatch = prompt_cache_mismatch(prompt_cache_layout(probe), prompt_cache)
+        if mismatch is not None:
+            raise ValueError(
+                f"{args.prompt_cache_file} does not fit the model {model_path}: "
+                f"{mismatch}"
+            )
     for eos_token in args.extra_eos_token:
         tokenizer.add_eos_token(eos_token)
 
@@ -190,14 +225,11 @@ def main():
 PATCH = Patch(
     "generate_kv_checks",
     "generate: --kv-bits/--kv-group-size checked before the first token; a "
-    "prompt cache file's lowered group size accepted",
-    [
-        Target("mlx_lm.generate", name, pasted_into("mlx_lm.generate", f), fp)
-        for name, f, fp in (
-            ("_check_kv_quantization", _check_kv_quantization, None),
-            ("maybe_quantize_kv_cache", maybe_quantize_kv_cache, "ecf45153d6a6"),
-            ("main", main, "1830d4c1a9b7"),
-        )
-    ],
-    requires=("mlx_lm.models.cache:QuantizedKVCache.quantizes_with",),
+    "prompt cache file's lowered group size accepted, one of another layout "
+    "refused",
+    targets("mlx_lm.generate", _check_kv_quantization, maybe_quantize_kv_cache, main),
+    requires=(
+        "mlx_lm.models.cache:QuantizedKVCache.quantizes_with",
+        "mlx_lm.models.cache:prompt_cache_mismatch",  # main imports it
+    ),
 )

@@ -40,10 +40,9 @@ class HostPromptCache:
     def nbytes(self):
         return sum(a.nbytes for a in self.arrays.values())
 
-    def save(self, file_name: str):
-        """Write a ``.safetensors`` file that ``load_prompt_cache`` reads."""
-        import json
-
+    def header(self):
+        """The ``.safetensors`` header ``save`` writes: each array's dtype,
+        shape and data offsets, in the order written, and the metadata."""
         codes = {
             "bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
             "uint64": "U64", "int8": "I8", "int16": "I16", "int32": "I32",
@@ -57,7 +56,13 @@ class HostPromptCache:
             header[k] = {"dtype": dtype, "shape": list(a.shape)}
             header[k]["data_offsets"] = [start, start + a.nbytes]
             start += a.nbytes
-        header = json.dumps(header).encode()
+        return header
+
+    def save(self, file_name: str):
+        """Write a ``.safetensors`` file that ``load_prompt_cache`` reads."""
+        import json
+
+        header = json.dumps(self.header()).encode()
         header += b" " * (-len(header) % 8)
         with open(file_name, "wb") as f:
             f.write(len(header).to_bytes(8, "little"))

@@ -17,14 +17,33 @@ background thread, read back where memory has less of a prompt, and found
 again after a restart (stopped with Ctrl-C, the server writes what memory
 still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR.
 Upstream's ``main`` builds its parser inline, so it is here whole, with
-the two flags added.
+the two flags added. Its size flags took upstream's ``_parse_size``, whose
+``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
+``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
+or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
+file or a directory it cannot list (``_prompt_cache_dir``).
 """
 
 from http.server import ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from mlx_lm.server import APIHandler, ModelProvider
 
-from ._registry import Patch, Target, class_patch, pasted_into
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import argparse
+    import json
+    import logging
+
+    import mlx.core as mx
+    from mlx_lm.server import (
+        DEFAULT_QUANTIZED_KV_START,
+        LRUPromptCache,
+        Path,
+        _run_http_server,
+        maybe_set_recommended_wired_limit,
+    )
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
@@ -59,6 +78,39 @@ def run(
         # Stopped (Ctrl-C): what memory holds is written too.
         prompt_cache.trim_to(n_sequences=0)
         disk.close()
+
+
+def _parse_byte_size(x: str) -> int:
+    """Bytes from ``4096``, ``10K``, ``4M``, ``2.5G``, ``1T``: powers of 1000
+    as in upstream's ``_parse_size`` (``KB``, ``MB``, ... too), ``KiB``,
+    ``MiB``, ... powers of 1024."""
+    text = x.strip().upper()
+    binary = text.endswith("IB")
+    text = text[:-2] if binary else text[:-1] if text.endswith("B") else text
+    unit = text[-1:] if text[-1:] in ("K", "M", "G", "T") else ""
+    whole, _, frac = text[: len(text) - len(unit)].strip().partition(".")
+    scale = (1024 if binary else 1000) ** ("KMGT".find(unit) + 1) if unit else 1
+    digits = whole + frac
+    if not (digits.isascii() and digits.isdecimal()) or (binary and not unit):
+        raise argparse.ArgumentTypeError(
+            f"{x!r} is not a size: a number of bytes, or one with K, M, G or T "
+            "(10K, 4M, 2G)"
+        )
+    return int(whole or 0) * scale + int(frac or 0) * scale // 10 ** len(frac)
+
+
+def _prompt_cache_dir(x: str) -> str:
+    """``x``, a directory the prompt cache can list (made if missing)."""
+    try:
+        path = Path(x)
+        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise NotADirectoryError(20, "Not a directory")
+        next(path.iterdir(), None)
+    except OSError as e:
+        why = "not a directory" if isinstance(e, FileExistsError) else e.strerror
+        raise argparse.ArgumentTypeError(f"{x}: {why or e}") from None
+    return x
 
 
 class ResponseGenerator:
@@ -205,18 +257,18 @@ def main():
     )
     parser.add_argument(
         "--prompt-cache-bytes",
-        type=_parse_size,
+        type=_parse_byte_size,
         help="Maximum size in bytes of the KV caches",
     )
     parser.add_argument(
         "--prompt-cache-dir",
-        type=str,
+        type=_prompt_cache_dir,
         help="Directory where the prompt cache keeps what it evicts from memory; "
         "entries are found again after a restart",
     )
     parser.add_argument(
         "--prompt-cache-disk-bytes",
-        type=_parse_size,
+        type=_parse_byte_size,
         default="16G",
         help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
     )
@@ -259,20 +311,10 @@ def main():
 PATCH = Patch(
     "server_prompt_cache",
     "server: --prompt-cache-bytes holds on every insert and after every batch "
-    "step; --prompt-cache-dir keeps evicted prompt caches on disk",
-    [
-        Target(
-            "mlx_lm.server", "run", pasted_into("mlx_lm.server", run), "8f50bb2caad4"
-        ),
-        Target(
-            "mlx_lm.server", "main", pasted_into("mlx_lm.server", main), "747b1f39c7f1"
-        ),
-    ]
-    + class_patch(
-        "mlx_lm.server:ResponseGenerator",
-        ResponseGenerator,
-        {"_log_cache_stats": "a6d82893f10d"},
-    ),
+    "step; --prompt-cache-dir keeps evicted prompt caches on disk; bad sizes "
+    "and directories are one-line errors",
+    targets("mlx_lm.server", run, main, _parse_byte_size, _prompt_cache_dir)
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
         "mlx_lm.models.cache:DiskLRUPromptCache",

@@ -302,18 +302,21 @@ def load_unchanged(path, error, match):
 
 def test_loading_a_truncated_cache_file_raises_saying_so(cache_file):
     cache_file.write_bytes(cache_file.read_bytes()[:-40])
-    load_unchanged(cache_file, RuntimeError, "incomplete download or corrupt file")
+    match = f"{re.escape(str(cache_file))}.*incomplete download or corrupt file"
+    load_unchanged(cache_file, ValueError, match)
 
 
 def test_loading_a_file_cut_inside_its_length_field_raises(cache_file):
     cache_file.write_bytes(cache_file.read_bytes()[:4])
-    load_unchanged(cache_file, RuntimeError, "Unable to read")
+    load_unchanged(
+        cache_file, ValueError, f"{re.escape(str(cache_file))}.*Unable to read"
+    )
 
 
 def test_loading_a_file_that_is_not_safetensors_raises(tmp_path):
     path = tmp_path / "notes.safetensors"
     path.write_bytes(b"these are not the tensors you are looking for")
-    load_unchanged(path, RuntimeError, "Invalid json header")
+    load_unchanged(path, ValueError, f"{re.escape(str(path))}.*Invalid json header")
 
 
 def test_loading_a_file_with_a_corrupted_header_raises_naming_the_file(cache_file):
@@ -593,3 +596,109 @@ def test_upstream_quantized_file_loads_with_its_tokens_and_dtype(tmp_path):
 
 # KV quantization mx.quantize cannot do: refused before the first token,
 # not when the cache reaches quantized_kv_start
+
+
+# Malformed files (#25): every one a ValueError naming the file, never a
+# KeyError, a TypeError or a cache built from it.
+
+
+def edit_file(path, arrays=None, metadata=None):
+    """Rewrite ``path`` with ``arrays(arrays)`` and ``metadata(metadata)``."""
+    a, m = mx.load(str(path), return_metadata=True)
+    a = arrays(dict(a)) if arrays else a
+    m = metadata(dict(m)) if metadata else m
+    mx.save_safetensors(str(path), a, m)
+
+
+def put(d, **changes):
+    return {**d, **changes}
+
+
+def drop(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+# name: (arrays edit, metadata edit); files of [ring(n=12), quantized()].
+MALFORMED = {
+    "keys as integers": (lambda a: put(a, **{"0.0": a["0.0"].astype(mx.int32)}), None),
+    "keys as bool": (lambda a: put(a, **{"0.1": a["0.1"].astype(mx.bool_)}), None),
+    "keys holding NaN": (lambda a: put(a, **{"0.0": a["0.0"] * mx.nan}), None),
+    "keys holding inf": (lambda a: put(a, **{"0.0": a["0.0"] + mx.inf}), None),
+    "offset stored as a float": (lambda a: put(a, **{"0.2": mx.array(12.0)}), None),
+    "offset stored as a vector": (lambda a: put(a, **{"0.2": mx.array([1, 2])}), None),
+    "string entry as floats": (
+        None,
+        lambda m: put(m, **{"2.1.1": "string"}),
+    ),
+    "a string in place of the scalar list": (
+        None,
+        lambda m: put(
+            {k: v for k, v in m.items() if not k.startswith("2.")}, **{"2": "x"}
+        ),
+    ),
+    "a scalar naming an array it lacks": (None, lambda m: put(m, **{"2.1.0": "9.9"})),
+    "an unknown scalar type": (None, lambda m: put(m, **{"2.1.1": "complex"})),
+    "classes as a string": (
+        None,
+        lambda m: put(
+            {k: v for k, v in m.items() if not k.startswith("1.")}, **{"1": "KVCache"}
+        ),
+    ),
+    "a class that is no cache": (None, lambda m: put(m, **{"1.0": "mx"})),
+    "an array that is no state entry": (lambda a: put(a, weights=mx.zeros((2,))), None),
+    "an array key with a letter": (lambda a: put(a, **{"0.x": mx.zeros((2,))}), None),
+    "a third cache's state": (lambda a: put(a, **{"2.0": mx.zeros((2,))}), None),
+    "a state array missing": (lambda a: drop(a, "1.1.0"), None),
+    "metadata keys that do not unflatten": (None, lambda m: put(m, **{"0.1.x": "y"})),
+    "quantized bits as a string": (None, lambda m: put(m, **{"2.7.1": "string"})),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_every_malformed_file_raises_a_value_error_naming_it(case, tmp_path):
+    arrays, metadata = MALFORMED[case]
+    path = tmp_path / "edited.safetensors"
+    save_prompt_cache(str(path), [ring(n=12), quantized()])
+    edit_file(path, arrays, metadata)
+    load_unchanged(path, ValueError, re.escape(str(path)))
+
+
+def test_a_file_whose_arrays_were_renamed_to_the_array_cache_class_raises(tmp_path):
+    path = tmp_path / "edited.safetensors"
+    save_prompt_cache(str(path), [kv_cache(), kv_cache()])
+    edit_file(path, metadata=lambda m: put(m, **{"1.1": "ArraysCache"}))
+    # ArraysCache holds any arrays: the file loads, but no attention model
+    # takes it (see prompt_cache_mismatch).
+    from mlx_lm.models.cache import prompt_cache_layout, prompt_cache_mismatch
+
+    loaded = load_prompt_cache(str(path))
+    expected = prompt_cache_layout([kv_cache(), kv_cache()])
+    assert prompt_cache_mismatch(expected, loaded) == (
+        "layer 1 holds ArraysCache, the model (2, 4, 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    "layers, heads, dim, why",
+    [
+        (4, 2, 4, "it has 4 layers, the model 2"),
+        (2, 4, 4, r"layer 0 holds \(4, 4, 4\), the model \(2, 4, 4\)"),
+        (2, 2, 8, r"layer 0 holds \(2, 8, 8\), the model \(2, 4, 4\)"),
+    ],
+)
+def test_a_cache_of_other_layers_or_heads_does_not_fit(layers, heads, dim, why):
+    from mlx_lm.models.cache import prompt_cache_layout, prompt_cache_mismatch
+
+    def caches(n, h, d, quantize=False):
+        out = []
+        for _ in range(n):
+            c = KVCache()
+            c.update_and_fetch(*random_kv(1, h, 3, d))
+            out.append(c.to_quantized(32, 8) if quantize and d % 32 == 0 else c)
+        return out
+
+    expected = prompt_cache_layout(caches(2, 2, 4))
+    assert re.match(why, prompt_cache_mismatch(expected, caches(layers, heads, dim)))
+    assert prompt_cache_mismatch(expected, caches(2, 2, 4)) is None
+    quantized_model = prompt_cache_layout(caches(2, 2, 64))
+    assert prompt_cache_mismatch(quantized_model, caches(2, 2, 64, True)) is None

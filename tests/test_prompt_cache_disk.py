@@ -6,6 +6,7 @@ spills what memory evicts and reads it back where upstream's
 ``LRUPromptCache`` has nothing."""
 
 import copy
+import json
 import logging
 import os
 
@@ -278,3 +279,265 @@ def test_a_failed_write_is_warned_and_the_tier_goes_on(load_tiny, tmp_path, capl
     assert tier.get(MODEL, PROMPT + EXTRA)[1] == EXTRA
     (written,) = files(tmp_path / "gone")  # no temporary file left behind
     assert written.endswith(".safetensors")
+
+
+# Hardening (#25): no file, swapped model or shared directory gives a wrong
+# cache, an exception or a hang; each ends in a miss with a warning.
+
+
+def read_header(path):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def write_header(path, header, body, reseal=False, rename=False):
+    """Write ``path`` with ``header``; with ``reseal`` its manifest digest
+    recomputed (a crafted file), with ``rename`` named by its own hash.
+    Returns the path written."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    meta = header["__metadata__"]
+    if reseal:
+        meta["0.manifest"] = DiskPromptCache._manifest(header)
+    if rename:
+        tokens = json.loads(meta["0.tokens"]) if "0.tokens" in meta else None
+        os.remove(path)
+        path = path.parent / DiskPromptCache._name(meta["0.model"], tokens)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + body)
+    return path
+
+
+def one_entry(model, directory, tokens=PROMPT[:90]):
+    written(directory, (tokens, prefilled(model, tokens)))
+    (name,) = [f for f in files(directory) if f.endswith(".safetensors")]
+    return directory / name
+
+
+def as_ints(header):
+    for k, v in header.items():
+        if k != "__metadata__" and v["dtype"] == "BF16":
+            v["dtype"] = "I16"  # same size: the data reads as ints
+
+
+def more_trimmable(header):
+    header["__metadata__"]["0.trimmable"] = "150"  # a wrapped ring of 200
+
+
+def other_tokens(header):
+    header["__metadata__"]["0.tokens"] = json.dumps(PROMPT[:93])
+
+
+# name: (edit, renamed to match the edit's hash, model family)
+EDITS = {
+    "floats read as ints": (as_ints, False, "llama"),
+    "trim count raised": (more_trimmable, False, "llama_sliding"),
+    "90 tokens claiming 93, renamed to their hash": (other_tokens, True, "llama"),
+    "a class renamed": (
+        lambda h: h["__metadata__"].update({"1.0": "QuantizedKVCache"}),
+        False,
+        "llama",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edited_header_is_a_miss_with_a_warning(edit, load_tiny, tmp_path, caplog):
+    change, rename, family = EDITS[edit]
+    model, _ = load_tiny(family, dtype="bfloat16")
+    path = one_entry(
+        model, tmp_path, PROMPT[:200] if "sliding" in family else PROMPT[:90]
+    )
+    header, body = read_header(path)
+    change(header)
+    path = write_header(path, header, body, rename=rename)
+    caplog.set_level(logging.WARNING)
+
+    tier = disk(tmp_path)
+
+    assert len(tier) == 0
+    assert f"skipping {path}: ValueError('its header does not match" in caplog.text
+    assert tier.get(MODEL, PROMPT[:93] + EXTRA) is None
+
+
+def test_a_resealed_header_claiming_other_tokens_is_a_miss(load_tiny, tmp_path, caplog):
+    """Even with its manifest recomputed, a header claiming 93 tokens for a
+    cache of 90 is not served: every layer must hold the tokens it names."""
+    model, _ = load_tiny("llama")
+    path = one_entry(model, tmp_path)
+    header, body = read_header(path)
+    other_tokens(header)
+    path = write_header(path, header, body, reseal=True, rename=True)
+    caplog.set_level(logging.WARNING)
+    tier = disk(tmp_path)
+    assert len(tier) == 1
+
+    assert tier.get(MODEL, PROMPT[:93] + EXTRA) is None
+    assert "holds 90 tokens, its header 93" in caplog.text and len(tier) == 0
+
+
+CRAFTED = {
+    "tokens null": {"0.tokens": "null"},
+    "tokens nested": {"0.tokens": "[[1]]"},
+    "tokens negative": {"0.tokens": "[-1]"},
+    "model a list": {"0.model": ["a"]},
+    "trim count a word": {"0.trimmable": "all"},
+    "trim count past the tokens": {"0.trimmable": "1000"},
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_header_named_by_its_hash_is_skipped_not_raised(
+    case, load_tiny, tmp_path, caplog
+):
+    model, _ = load_tiny("llama")
+    path = one_entry(model, tmp_path)
+    header, body = read_header(path)
+    header["__metadata__"].update(CRAFTED[case])
+    try:
+        path = write_header(path, header, body, reseal=True, rename=True)
+    except TypeError:  # a list as model cannot be hashed into a name
+        path = write_header(path, header, body, reseal=True)
+    caplog.set_level(logging.WARNING)
+
+    tier = disk(tmp_path)
+
+    assert len(tier) == 0 and f"skipping {path}" in caplog.text
+    assert tier.get(MODEL, PROMPT[:90] + EXTRA) is None
+
+
+def test_fifos_links_and_huge_headers_are_never_opened_or_read_whole(
+    load_tiny, tmp_path, caplog
+):
+    model, _ = load_tiny("llama")
+    path = one_entry(model, tmp_path / "tier", PROMPT[:90])
+    tier_dir = path.parent
+    fifo = tier_dir / ("a" * 32 + ".safetensors")
+    os.mkfifo(fifo)  # opened, it would block the scan forever
+    os.mkfifo(tier_dir / "notes.fifo")
+    link = tier_dir / ("b" * 32 + ".safetensors")
+    os.symlink(path, link)
+    sparse = tier_dir / ("c" * 32 + ".safetensors")
+    with open(sparse, "wb") as f:  # 3 GiB, claiming a 3 GiB header
+        f.write((3 << 30).to_bytes(8, "little"))
+        f.truncate(3 << 30)
+    caplog.set_level(logging.WARNING)
+
+    tier = disk(tier_dir)
+
+    assert len(tier) == 1 and tier.get(MODEL, PROMPT[:90] + EXTRA)[1] == EXTRA
+    for p in (fifo, tier_dir / "notes.fifo", link):
+        assert f"skipping {p}: ValueError('not a regular file')" in caplog.text
+    assert f"skipping {sparse}: ValueError('a header of {3 << 30} bytes" in caplog.text
+
+
+def test_other_weights_at_the_same_path_are_a_miss(make_tiny_dir, tmp_path):
+    import shutil
+
+    from mlx_lm.utils import load
+
+    source = make_tiny_dir("llama")
+    model_dir = tmp_path / "model"
+    shutil.copytree(source, model_dir)
+    key = (str(model_dir), None, None)
+    model, _ = load(str(model_dir))
+    tier = disk(tmp_path / "tier")
+    tier.put(key, PROMPT, prefilled(model, PROMPT))
+    tier.close()
+
+    assert disk(tmp_path / "tier").get(key, PROMPT + EXTRA)[1] == EXTRA
+    # The same files elsewhere: the same weights, a hit.
+    shutil.copytree(model_dir, tmp_path / "copy")
+    copied = (str(tmp_path / "copy"), None, None)
+    assert disk(tmp_path / "tier").get(copied, PROMPT + EXTRA)[1] == EXTRA
+    # New weights, same config, same path: a miss.
+    other = make_tiny_dir("llama", seed=5)
+    shutil.copy(other / "model.safetensors", model_dir / "model.safetensors")
+    assert disk(tmp_path / "tier").get(key, PROMPT + EXTRA) is None
+
+
+def test_an_entry_unlike_the_models_own_caches_is_a_miss(load_tiny, tmp_path, caplog):
+    model, _ = load_tiny("llama")
+    other, _ = load_tiny("llama", head_dim=32, num_hidden_layers=2)
+    written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
+    tier = disk(tmp_path)
+    tier.learn(MODEL, prefilled(other, PROMPT[:3]))
+    caplog.set_level(logging.WARNING)
+
+    assert tier.get(MODEL, PROMPT + EXTRA) is None
+    assert "it has 4 layers, the model 2" in caplog.text
+
+
+def test_replicas_on_one_directory_hold_its_budget_together(
+    load_tiny, tmp_path, caplog
+):
+    model, _ = load_tiny("llama")
+    prompts = [[t] + PROMPT[:200] for t in range(1, 9)]
+    one = written(tmp_path / "one", (prompts[0], prefilled(model, prompts[0]))).nbytes
+    budget = 3 * one + one // 2
+    replicas = [disk(tmp_path / "tier", budget) for _ in range(2)]
+    caplog.set_level(logging.WARNING)
+    for i, tokens in enumerate(prompts):
+        replicas[i % 2].put(MODEL, tokens, prefilled(model, tokens))
+        replicas[i % 2].flush()
+    for r in replicas:
+        r.close()
+
+    sizes = [os.path.getsize(tmp_path / "tier" / f) for f in files(tmp_path / "tier")]
+    assert sum(sizes) <= budget and len(sizes) == 3
+    assert "could not remove" not in caplog.text
+    # The newest three, whichever replica wrote them.
+    restarted = disk(tmp_path / "tier", budget)
+    assert [restarted.get(MODEL, p + EXTRA) is not None for p in prompts] == [
+        False
+    ] * 5 + [True] * 3
+
+
+def test_temporary_files_a_killed_writer_left_are_removed_on_the_next_scan(
+    tmp_path,
+):
+    import fcntl
+
+    from mlx_lm.models.cache import DiskPromptCache
+
+    stale = tmp_path / ("d" * 32 + ".safetensors.999999-1.tmp")
+    held = tmp_path / ("e" * 32 + ".safetensors.999998-1.tmp")
+    stale.write_bytes(b"x" * 1000)
+    held.write_bytes(b"x" * 1000)
+    past = os.path.getmtime(stale) - 2 * DiskPromptCache.temp_grace
+    for p in (stale, held):
+        os.utime(p, (past, past))
+    with open(held, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # its writer is still writing
+        disk(tmp_path).close()
+        assert not stale.exists() and held.exists()
+
+
+def test_a_full_disk_evicts_the_oldest_entries_and_writing_goes_on(load_tiny, tmp_path):
+    import subprocess
+
+    model, _ = load_tiny("llama")
+    prompts = [[t] + PROMPT[:200] for t in range(1, 5)]
+    one = written(tmp_path / "one", (prompts[0], prefilled(model, prompts[0]))).nbytes
+    small = tmp_path / "small"
+    small.mkdir()
+    size = (5 * one // 2) // 4096 * 4096  # room for two entries, not three
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("needs a small file system: root may mount a tmpfs")
+    try:
+        tier = disk(small)  # no byte budget: only the disk bounds it
+        for tokens in prompts:
+            tier.put(MODEL, tokens, prefilled(model, tokens))
+            tier.flush()
+        tier.close()
+        assert [tier.get(MODEL, p + EXTRA) is not None for p in prompts] == [
+            False,
+            False,
+            True,
+            True,
+        ]
+        assert all(f.endswith(".safetensors") for f in files(small))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)

@@ -96,3 +96,30 @@ def test_main_takes_the_disk_tier_flags(request, monkeypatch, tmp_path, side):
         str(tmp_path),
         2 * 10**9,
     )
+
+
+SIZES = {
+    "4096": 4096,
+    "10K": 10**4,
+    "4M": 4 * 10**6,
+    "2G": 2 * 10**9,
+    "2GB": 2 * 10**9,
+    "1.5G": 15 * 10**8,
+    "2MiB": 2 << 20,
+}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_size_flags_take_units(patched, monkeypatch, tmp_path, size):
+    from mlx_lm import server
+
+    ran = []
+    monkeypatch.setattr(
+        server, "run", lambda host, port, provider: ran.append(provider)
+    )
+    monkeypatch.setattr(server, "ModelProvider", lambda args: args)
+    flags = ["--prompt-cache-bytes", size, "--prompt-cache-disk-bytes", size]
+    monkeypatch.setattr("sys.argv", ["mlx_lm.server", *flags])
+    server.main()
+    (args,) = ran
+    assert args.prompt_cache_bytes == args.prompt_cache_disk_bytes == SIZES[size]

@@ -40,6 +40,36 @@ class TestPromptCache(unittest.TestCase):
         self.assertIsNone(disk.get("model", [1, 2, 3]))
         disk.close()
 
+    def test_disk_prompt_cache_skips_an_edited_header(self):
+        cache = [RotatingKVCache(max_size=4)]
+        x = mx.random.normal(shape=(1, 2, 10, 8))
+        cache[0].update_and_fetch(x, x)  # wrapped: it cannot be trimmed
+        directory = os.path.join(self.test_dir, "disk_edited")
+        disk = DiskPromptCache(directory)
+        disk.put("model", list(range(10)), cache)
+        disk.close()
+        (name,) = os.listdir(directory)
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:  # the same length: only the manifest knows
+            f.write(data.replace(b'"0.trimmable": "0"', b'"0.trimmable": "9"'))
+
+        with self.assertLogs(level="WARNING") as logs:
+            disk = DiskPromptCache(directory)
+        self.assertIn("does not match its manifest", logs.output[0])
+        self.assertIsNone(disk.get("model", [0, 1, 7]))
+        disk.close()
+
+    def test_disk_prompt_cache_never_opens_a_fifo(self):
+        directory = os.path.join(self.test_dir, "disk_fifo")
+        os.makedirs(directory)
+        os.mkfifo(os.path.join(directory, "f" * 32 + ".safetensors"))
+        with self.assertLogs(level="WARNING") as logs:
+            disk = DiskPromptCache(directory)
+        self.assertIn("not a regular file", logs.output[0])
+        disk.close()
+
     def test_lru_prompt_cache_reads_evicted_entries_from_disk(self):
         disk = DiskPromptCache(os.path.join(self.test_dir, "disk_lru"))
         lru = DiskLRUPromptCache(disk, max_size=1)

@@ -487,6 +487,9 @@ PATCH = Patch(
     + targets("mlx_lm.models.cache:BatchRotatingKVCache", _BatchRotatingKVCache),
     requires=(
         "mlx_lm.models.cache:BatchRotatingKVCache.state",
+        "mlx_lm.models.cache:BatchRotatingKVCache.extend",
+        "mlx_lm.models.cache:BatchRotatingKVCache.extract",
+        "mlx_lm.models.cache:BatchRotatingKVCache.merge",
         "mlx_lm.models.cache:QuantizedKVCache.state",
     ),
     uses={

@@ -291,14 +291,8 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
 
     @property
     def state(self):
-        return (
-            *BatchRotatingKVCache.state.fget(self)[:8],
-            self.keep,
-            self.group_size,
-            self.bits,
-            self.dtype,
-            self.head_dims,
-        )
+        state = BatchRotatingKVCache.state.fget(self)[:8] + (self.keep,)
+        return state + (self.group_size, self.bits, self.dtype, self.head_dims)
 
     @state.setter
     def state(self, v):
@@ -330,9 +324,6 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
                     )
 
     def extend(self, other):
-        """
-        In-place extend this cache with the other cache.
-        """
         if not hasattr(other, "bits"):
             other = other.to_quantized(self.group_size, self.bits)
         _check_layouts(

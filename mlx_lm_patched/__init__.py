@@ -15,6 +15,7 @@ from . import (
     batch_generator_kv_bits,
     batch_quantized,
     batch_rotating_prealloc,
+    batch_rotating_rows,
     bounded_attention,
     generate_kv_checks,
     host_export,
@@ -65,6 +66,7 @@ __all__ = [
 PATCHES: List[_registry.Patch] = [
     rotating_prealloc.PATCH,  # cache.py: RotatingKVCache
     batch_rotating_prealloc.PATCH,  # cache.py: BatchRotatingKVCache
+    batch_rotating_rows.PATCH,  # cache.py: BatchRotatingKVCache merge & co.
     bounded_attention.PATCH,  # base.py: scaled_dot_product_attention
     prompt_cache_files.PATCH,  # cache.py: load_prompt_cache, _check_state
     negative_trim.PATCH,  # cache.py: KVCache & co. trim(n < 0) raises

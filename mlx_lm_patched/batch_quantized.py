@@ -15,12 +15,19 @@ quantized tokens. ``QuantizedKVCache.merge``, ``BatchKVCache.merge`` and
 in any order, lead to them; ``to_quantized`` converts a running batch.
 """
 
-from typing import List
+from typing import TYPE_CHECKING, List
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
 from ._registry import Patch, cache_class, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, dynamic_roll
+
+    from .quantized_cache import _check_quantized, _kv_quant_layout
+    from .quantized_ring import QuantizedRotatingKVCache, _quantize_update
+    from .rotating_prealloc import _pipeline, _put
 
 
 def _quantized_like(caches):
@@ -291,14 +298,8 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
 
     @property
     def state(self):
-        return (
-            *BatchRotatingKVCache.state.fget(self)[:8],
-            self.keep,
-            self.group_size,
-            self.bits,
-            self.dtype,
-            self.head_dims,
-        )
+        state = BatchRotatingKVCache.state.fget(self)[:8] + (self.keep,)
+        return state + (self.group_size, self.bits, self.dtype, self.head_dims)
 
     @state.setter
     def state(self, v):
@@ -330,9 +331,6 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
                     )
 
     def extend(self, other):
-        """
-        In-place extend this cache with the other cache.
-        """
         if not hasattr(other, "bits"):
             other = other.to_quantized(self.group_size, self.bits)
         _check_layouts(
@@ -487,6 +485,9 @@ PATCH = Patch(
     + targets("mlx_lm.models.cache:BatchRotatingKVCache", _BatchRotatingKVCache),
     requires=(
         "mlx_lm.models.cache:BatchRotatingKVCache.state",
+        "mlx_lm.models.cache:BatchRotatingKVCache.extend",
+        "mlx_lm.models.cache:BatchRotatingKVCache.extract",
+        "mlx_lm.models.cache:BatchRotatingKVCache.merge",
         "mlx_lm.models.cache:QuantizedKVCache.state",
     ),
 )

@@ -8,6 +8,7 @@ objects edited on a line our change changes too: a real conflict.
 
 import ast
 import difflib
+import re
 import shutil
 import textwrap
 from dataclasses import dataclass, field
@@ -57,9 +58,10 @@ def _clear(lines: Iterable[int], touched: Set[int]) -> bool:
     return not any(ln in touched for ln in lines)
 
 
-def _rename(fn: ast.FunctionDef, touched: Set[int]) -> Optional[tuple]:
+def _rename(fn: ast.FunctionDef, touched: Set[int], ours: Set[str]) -> Optional[tuple]:
     """A local of ``fn`` (assigned, not an argument) every use of which is on
-    a line clear of our change: ``(name, [Name nodes])``."""
+    a line clear of our change, and which our lines do not name:
+    ``(name, [Name nodes])``."""
     args = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
     nested = [n for n in ast.walk(fn) if n is not fn and isinstance(n, ast.FunctionDef)]
     free = {x.id for n in nested for x in ast.walk(n) if isinstance(x, ast.Name)}
@@ -69,7 +71,7 @@ def _rename(fn: ast.FunctionDef, touched: Set[int]) -> Optional[tuple]:
             names.setdefault(n.id, []).append(n)
     for name, uses in names.items():
         stored = any(isinstance(u.ctx, ast.Store) for u in uses)
-        if not stored or name in args or name in free:
+        if not stored or name in args or name in free or name in ours:
             continue
         if _clear([u.lineno - 1 for u in uses], touched):
             return name, uses
@@ -80,6 +82,16 @@ def _edit(lines: List[str], start: int, base: str, ours: str, key: str, conflict
     """Edit ``lines`` (the module) for the definition at ``start`` whose
     base source is ``base``; return its ``Edits`` and the insertion."""
     touched = _touched(base.splitlines(True), ours.splitlines(True))
+    sm = difflib.SequenceMatcher(
+        None, base.splitlines(), ours.splitlines(), autojunk=False
+    )
+    ours_lines = [
+        line
+        for op, _, _, j1, j2 in sm.get_opcodes()
+        if op != "equal"
+        for line in ours.splitlines()[j1:j2]
+    ]
+    named = set(re.findall(r"[A-Za-z_]\w*", "\n".join(ours_lines)))
     fn = ast.parse(base).body[0]
     edits = Edits()
     indent = lambda row: lines[start + row][
@@ -110,7 +122,7 @@ def _edit(lines: List[str], start: int, base: str, ours: str, key: str, conflict
         q = lines[row].index(lines[row].lstrip()[:3])
         lines[row] = lines[row][: q + 3] + "(Reworded upstream.) " + lines[row][q + 3 :]
         edits.docstring = True
-    found = _rename(fn, touched)
+    found = _rename(fn, touched, named)
     if found:
         name, uses = found
         shift = len(lines[start]) - len(lines[start].lstrip())  # base is dedented

@@ -34,10 +34,7 @@ it measured. ``--small`` is a CPU-sized model and workload.
 """
 
 import argparse
-import contextlib
 import functools
-import gc
-import json
 import sys
 import time
 
@@ -50,8 +47,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 import mlx_lm_patched
 
 from . import emit, header, parse_args
-
-START = time.perf_counter()
+from ._sides import _fresh, _le, _peak, _ratio, _save, _switch, measure
 
 SMALL = {
     "layers": 4,
@@ -97,21 +93,6 @@ def _caches(args, kind):
     if kind == "kvcache":
         return [KVCache() for _ in range(args.layers)]
     return [RotatingKVCache(args.max_size, keep=args.keep) for _ in range(args.layers)]
-
-
-def _only(patch):
-    mlx_lm_patched.revert()
-    mlx_lm_patched.apply(patch, strict=True)
-
-
-def _peak(weights):
-    return max(mx.get_peak_memory(), mx.get_active_memory()) - weights
-
-
-def _fresh():
-    gc.collect()
-    mx.synchronize()
-    mx.clear_cache()
 
 
 def run_single(model, args, kind, prompt, weights, kv_bits=None):
@@ -257,87 +238,6 @@ def run_batch(model, args, max_kv_size, weights, kv_bits=None):
     del gen
     _fresh()
     return out
-
-
-def _merge(values, key):
-    """Peaks: the worst round's; the rest: the median."""
-    if isinstance(values[0], list):
-        if key == "tokens":
-            return values[0]
-        return [_merge(list(x), key) for x in zip(*values)]
-    return max(values) if "peak" in key else np.median(values)
-
-
-def _plain(v):
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    if isinstance(v, (str, bool)) or v is None:
-        return v
-    return int(v) if float(v).is_integer() else float(v)
-
-
-def measure(sides, rounds, log):
-    """``sides``: name -> (switch, run). Warm-up, then ``rounds`` in
-    alternating order; a side that raises records its error."""
-    runs = {name: [] for name in sides}
-    errors = {}
-    for r in range(-1, rounds):  # round -1 warms up: kernels, graphs, pools
-        for name in list(sides)[:: 1 if r % 2 else -1]:
-            if name in errors:
-                continue
-            switch, run = sides[name]
-            print(
-                f"[e2e] {time.perf_counter() - START:7.1f} s {log} {name} round {r}",
-                file=sys.stderr,
-                flush=True,
-            )
-            try:
-                with switch():
-                    out = run()
-            except Exception as e:  # upstream's quantized attention on CUDA, ...
-                errors[name] = f"{type(e).__name__}: {e}"[:300]
-                _fresh()
-                continue
-            if r >= 0:
-                runs[name].append(out)
-    result = {}
-    for name in sides:
-        if name in errors:
-            result[name] = {"error": errors[name]}
-            continue
-        outs = runs[name]
-        merged = {k: _merge([o[k] for o in outs], k) for k in outs[0]}
-        result[name] = {k: _plain(v) for k, v in merged.items()}
-    return result
-
-
-def _switch(*patches):
-    @contextlib.contextmanager
-    def switch():
-        mlx_lm_patched.revert()
-        if patches != ("none",):
-            mlx_lm_patched.apply(*patches)
-        yield
-        mlx_lm_patched.apply()
-
-    return switch
-
-
-def _save(result, path):
-    """The JSON so far, for a run cut short."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-
-
-def _le(ratio, bound):
-    return ratio is not None and ratio <= bound
-
-
-def _ratio(a, b, key):
-    if "error" in a or "error" in b or not b.get(key):
-        return None
-    return round(a[key] / b[key], 3)
 
 
 def single(model, args, weights, result):

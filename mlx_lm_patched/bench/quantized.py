@@ -93,7 +93,7 @@ def bytes_per_token(args, patched):
         out[name] = {
             "held_per_token": held / args.tokens,
             "live_per_token": live / args.tokens,
-            "nbytes_per_token": _outcome(lambda: cache.nbytes / args.tokens),
+            "nbytes_per_token": _outcome(lambda c=cache: c.nbytes / args.tokens),
         }
         del cache
     return out

@@ -1,17 +1,16 @@
-"""``make demo``: the drop-in front end to end, then patched next to upstream.
+"""``make demo``: mlx-lm patched next to upstream, on a model trained here.
 
-Runs ``python -m mlx_lm_patched.generate`` on a tiny local model (llama with
-sliding layers, so its cache mixes ``RotatingKVCache`` and ``KVCache``), then
-the same greedy generation in-process with the patches reverted and applied,
-and prints peak memory, cache bytes, cache buffer reallocations and whether
-the tokens match. Works with whatever is in ``mlx_lm_patched.PATCHES``.
+Runs ``python -m mlx_lm_patched.generate`` on the demo model (a small llama
+trained on the standard library, ``tiny_train``: a sliding-window layer, so a
+``RotatingKVCache``, and a full one, a ``KVCache``), then the same greedy
+generation in-process with the patches reverted and applied, and prints peak
+memory, cache bytes, cache buffer reallocations and whether the tokens match.
 """
 
 import argparse
 import re
 import subprocess
 import sys
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -20,33 +19,22 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.utils import load
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched import tiny, tiny_train
 
 
 def printable(text: str) -> str:
-    """Random weights emit random bytes; keep control characters off the terminal."""
+    """Keep control characters (a random model's bytes) off the terminal."""
     return re.sub(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", " ", text)
 
 
-def measure(model, prompt, args, max_kv_size):
-    """Tokens, peak memory of prefill and of decode, final cache bytes."""
-    cache = cache_module.make_prompt_cache(model, max_kv_size)
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    tokens, peaks = [], []
-    for token, _ in generate_step(
-        prompt,
-        model,
-        max_tokens=args.max_tokens,
-        prompt_cache=cache,
-        prefill_step_size=args.prefill_step_size,
-    ):
-        if not tokens:
-            peaks.append(mx.get_peak_memory())
-            mx.reset_peak_memory()
-        tokens.append(token)
-    peaks.append(mx.get_peak_memory())
-    return tokens, peaks, sum(c.nbytes for c in cache)
+def prompt_text(tokenizer, n):
+    """About ``n`` tokens of a held-out standard library module, cut so that
+    the model is asked to write the next function: it ends in ``def ``."""
+    text = tiny_train.corpus(held_out=True)[2]  # argparse.py
+    ids = tokenizer.encode(text)[: n + 200]
+    text = tokenizer.decode(ids)
+    cut = text.rfind("\n    def ", 0, len(tokenizer.decode(ids[:n])) + 1)
+    return text[: cut + 9] if cut > 0 else text
 
 
 def buffers(keys):
@@ -57,55 +45,50 @@ def buffers(keys):
     ]
 
 
-def count_reallocations(model, prompt, args, max_kv_size):
-    """Per phase and cache type: how often a layer's ``keys`` moved to another
-    buffer or changed shape between two prompt chunks or two decode steps
-    (its first allocation not counted). Prefills the way ``generate_step``
-    does. Only addresses are kept, so no buffer outlives its cache's use."""
+def run(model, prompt, args, max_kv_size):
+    """Greedy tokens, peak memory of prefill and of decode, final cache bytes,
+    and how often a layer's ``keys`` moved to another buffer or changed shape
+    between two prompt chunks or two decode steps (first allocation not
+    counted). Only addresses are kept, so no buffer outlives its use."""
     cache = cache_module.make_prompt_cache(model, max_kv_size)
     last = [None] * len(cache)
-    counts = Counter()
+    moves = {"prompt": 0, "decode": 0}
 
     def observe(phase):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
             now = None if keys is None else buffers(keys)
-            counts[phase, type(c).__name__] += last[i] is not None and now != last[i]
+            moves[phase] += last[i] is not None and now != last[i]
             last[i] = now
 
+    mx.clear_cache()
+    mx.reset_peak_memory()
     step = args.prefill_step_size
     for start in range(0, prompt.size - 1, step):
         model(prompt[None, start : min(start + step, prompt.size - 1)], cache=cache)
-        mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None])
+        mx.eval([c.state for c in cache])
         observe("prompt")
-    for _ in generate_step(
+    tokens, peaks = [], [mx.get_peak_memory()]
+    mx.reset_peak_memory()
+    for token, _ in generate_step(
         prompt[-1:], model, max_tokens=args.max_tokens, prompt_cache=cache
     ):
+        tokens.append(token)
         observe("decode")
-    return counts
-
-
-def run(model, prompt, args, max_kv_size):
-    tokens, peaks, nbytes = measure(model, prompt, args, max_kv_size)
-    reallocs = count_reallocations(model, prompt, args, max_kv_size)
-    kinds = Counter(
-        type(c).__name__ for c in cache_module.make_prompt_cache(model, max_kv_size)
-    )
+    peaks.append(mx.get_peak_memory())
+    kinds = sorted({type(c).__name__ for c in cache})
+    nbytes = sum(c.nbytes for c in cache)
     return {
         "tokens": tokens,
         "peaks": peaks,
         "nbytes": nbytes,
-        "reallocs": reallocs,
+        "moves": moves,
         "kinds": kinds,
     }
 
 
-def mb(n):
-    return f"{n / 1e6:.2f} MB"
-
-
-def compare(model, prompt, args, max_kv_size):
-    """Print upstream next to patched; return whether the tokens match."""
+def side_by_side(model, prompt, args, max_kv_size):
+    """Upstream (patches reverted) and patched runs of ``run``."""
     before = [n for n, s in mlx_lm_patched.status().items() if s["applied"]]
     try:
         mlx_lm_patched.revert()
@@ -116,80 +99,111 @@ def compare(model, prompt, args, max_kv_size):
         mlx_lm_patched.revert()
         if before:
             mlx_lm_patched.apply(*before)
-
-    def caches(r):
-        return ", ".join(f"{n} {k}" for k, n in sorted(r["kinds"].items()))
-
-    print(f"  {'':<42}{'upstream':>16}{'patched':>16}")
-    rows = [
-        ("peak memory, prompt", mb(upstream["peaks"][0]), mb(patched["peaks"][0])),
-        ("peak memory, decode", mb(upstream["peaks"][1]), mb(patched["peaks"][1])),
-        ("cache bytes at the end", mb(upstream["nbytes"]), mb(patched["nbytes"])),
-    ]
-    keys = set(upstream["reallocs"]) | set(patched["reallocs"])
-    for phase, kind in sorted(keys, key=lambda k: (k[0] == "decode", k[1])):
-        key = (phase, kind)
-        label = f"reallocations, {phase}, {kind}"
-        rows.append((label, upstream["reallocs"][key], patched["reallocs"][key]))
-    for label, a, b in rows:
-        print(f"  {label:<42}{a:>16}{b:>16}")
-    print(f"  caches: upstream {caches(upstream)}; patched {caches(patched)}")
-    same = upstream["tokens"] == patched["tokens"]
-    agree = sum(a == b for a, b in zip(upstream["tokens"], patched["tokens"]))
-    print(f"  tokens identical: {'yes' if same else 'NO'}", end="")
-    print(f" ({agree} of {len(upstream['tokens'])} agree)")
-    return same
+    return upstream, patched
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def agreement(a, b):
+    """``"identical"``, or where the two token lists part."""
+    if a == b:
+        return f"identical, {len(a)} of {len(a)}"
+    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"part at token {first + 1} of {len(a)}"
+
+
+def kb(n):
+    return f"{n / 1024:,.0f} KiB"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_lm_patched.demo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", help="model directory (default: the demo model)")
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=300)
-    parser.add_argument("--max-kv-size", type=int, default=512)
-    parser.add_argument("--prefill-step-size", type=int, default=256)
-    args = parser.parse_args()
+    parser.add_argument("--prompt-tokens", type=int, default=600)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-kv-size", type=int, default=128)
+    parser.add_argument("--prefill-step-size", type=int, default=64)
+    args = parser.parse_args(argv)
 
     path = str(args.model or tiny.demo_model_dir())
     model, tokenizer = load(path)
-    words = tiny.TEXT.split()
-    text, n = "", 0
-    while len(tokenizer.encode(text)) < args.prompt_tokens:
-        text += " " + words[n % len(words)]
-        n += 1
-    messages = [{"role": "user", "content": text.strip()}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    print(f"Model: {path}; prompt {len(prompt)} tokens")
+    text = prompt_text(tokenizer, args.prompt_tokens)
+    prompt = mx.array(tokenizer.encode(text))
+    own = side_by_side(model, prompt, args, None)
+    bounded = side_by_side(model, prompt, args, args.max_kv_size)
 
-    print("\n$ python -m mlx_lm_patched.generate --model ... --prompt <text>", end="")
-    flags = ["--max-tokens", args.max_tokens, "--max-kv-size", args.max_kv_size]
-    flags += ["--prefill-step-size", args.prefill_step_size]
-    flags = [str(f) for f in flags]
-    print(" " + " ".join(flags))
+    n = args.max_tokens
+    same = own[0]["tokens"] == own[1]["tokens"]
+    print(
+        f"mlx-lm-patched: the same {n} greedy tokens as mlx-lm "
+        if same
+        else f"mlx-lm-patched: tokens DIFFER from mlx-lm's "
+    )
+    print(
+        f"  (model's own caches), decode reallocations {own[0]['moves']['decode']} "
+        f"-> {own[1]['moves']['decode']}; with --max-kv-size {args.max_kv_size} the "
+        f"cache ends at {kb(bounded[1]['nbytes'])}, upstream's at "
+        f"{kb(bounded[0]['nbytes'])}."
+    )
+    print(
+        f"\nModel: {path}, {len(model.layers)} layers, caches {', '.join(own[0]['kinds'])}"
+    )
+    print(
+        f"  (trained here on Python's standard library; prompt: {prompt.size} "
+        "tokens of argparse.py, held out of training)"
+    )
+    flags = ["--max-tokens", str(n), "--prefill-step-size", str(args.prefill_step_size)]
     cmd = [sys.executable, "-m", "mlx_lm_patched.generate", "--model", path]
-    cmd += ["--prompt", text.strip()] + flags
+    cmd += ["--ignore-chat-template", "--prompt", text] + flags
+    print(
+        f"\n$ python -m mlx_lm_patched.generate --model ... --prompt <the prompt> {' '.join(flags)}"
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    print(printable(done.stdout))
     if done.returncode:
         print(done.stderr, file=sys.stderr)
         sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
-
-    print("Patches:")
-    for name, s in mlx_lm_patched.status().items():
-        state = "drift: " + "; ".join(s["drift"]) if s["drift"] else "ok"
-        print(f"  {name:<26} {state}")
-    if not mlx_lm_patched.PATCHES:
-        print("  (none in mlx_lm_patched.PATCHES yet: both columns run upstream)")
-
-    prompt = mx.array(prompt)
-    print(f"\nThe same generation in-process ({args.max_tokens} tokens, greedy),")
-    print("with the model's own caches:")
-    same = compare(model, prompt, args, None)
+    generated = done.stdout.split("==========\n")[1].rstrip("\n").splitlines()
+    print(printable("    def " + "\n".join(generated[:8])))
+    print("    ..." if len(generated) > 8 else "", end="")
     print(
-        f"\nand with max_kv_size={args.max_kv_size}, which upstream ignores for models with"
+        "\n".join(
+            printable(l) for l in done.stdout.split("==========\n")[2].splitlines()[:2]
+        )
     )
-    print("make_cache (bounded caches forget, so here the tokens may differ):")
-    compare(model, prompt, args, args.max_kv_size)
+
+    print(
+        f"\nIn-process, greedy, {n} tokens, prompt in chunks of {args.prefill_step_size}:"
+    )
+    head = f"{'model caches':>22}{f'--max-kv-size {args.max_kv_size}':>24}"
+    print(f"{'':<24}{head}")
+    print(f"{'':<24}{'upstream':>11}{'patched':>11}{'upstream':>13}{'patched':>11}")
+    rows = [
+        ("peak memory, prompt", lambda r: kb(r["peaks"][0])),
+        ("peak memory, decode", lambda r: kb(r["peaks"][1])),
+        ("cache bytes at the end", lambda r: kb(r["nbytes"])),
+        ("reallocations, prompt", lambda r: r["moves"]["prompt"]),
+        ("reallocations, decode", lambda r: r["moves"]["decode"]),
+    ]
+    for label, cell in rows:
+        a, b, c, d = (cell(r) for r in own + bounded)
+        print(f"{label:<24}{a:>11}{b:>11}{c:>13}{d:>11}")
+    print(f"{'tokens':<24}{agreement(*[r['tokens'] for r in own]):>22}", end="")
+    print(f"{agreement(*[r['tokens'] for r in bounded]):>24}")
+    print(
+        "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
+        "attention the same keys, values and masks upstream does, from a buffer\n"
+        "allocated once. Prompt reallocations: a chunk that runs past a full ring is\n"
+        "attended over the ring plus the chunk and leaves a new ring (upstream\n"
+        "concatenates as well); from the first decode step on, nothing moves."
+    )
+    print(
+        f"--max-kv-size {args.max_kv_size}: upstream ignores it for models that make "
+        f"their own cache\n(its KVCache grows with the context: {', '.join(bounded[0]['kinds'])}); "
+        f"patched, the full layer\nbecomes RotatingKVCache({args.max_kv_size}, keep=4) and "
+        "forgets the middle of the context, so\nits tokens may differ. Upstream's own "
+        "ring would differ too: it hides its 4 keep\ntokens from chunked queries (an "
+        "upstream bug, fixed here; see README)."
+    )
     if not same:
         sys.exit("the patches changed the tokens of the model's own caches")
 

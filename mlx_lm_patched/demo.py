@@ -11,9 +11,12 @@ import argparse
 import re
 import subprocess
 import sys
+import warnings
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.utils import load
@@ -28,13 +31,19 @@ def printable(text: str) -> str:
 
 
 def prompt_text(tokenizer, n):
-    """About ``n`` tokens of a held-out standard library module, cut so that
-    the model is asked to write the next function: it ends in ``def ``."""
-    text = tiny_train.corpus(held_out=True)[2]  # argparse.py
-    ids = tokenizer.encode(text)[: n + 200]
-    text = tokenizer.decode(ids)
-    cut = text.rfind("\n    def ", 0, len(tokenizer.decode(ids[:n])) + 1)
-    return text[: cut + 9] if cut > 0 else text
+    """About ``n`` tokens of a held-out standard library module (contextlib),
+    from its first class on, cut so that the model is asked to write the
+    next method: the prompt ends in ``def`` (its space starts the next
+    token, as in the text the model learnt from)."""
+    text = next(
+        f.read_text()
+        for f in tiny_train.corpus_files(held_out=True)
+        if f.name == "contextlib.py"
+    )
+    text = text[text.find("\nclass ") + 1 :]
+    head = tokenizer.decode(tokenizer.encode(text[: 8 * n])[:n])
+    cut = head.rfind("\n    def ")
+    return head[: cut + len("\n    def")] if cut > 0 else head
 
 
 def buffers(keys):
@@ -52,13 +61,13 @@ def run(model, prompt, args, max_kv_size):
     counted). Only addresses are kept, so no buffer outlives its use."""
     cache = cache_module.make_prompt_cache(model, max_kv_size)
     last = [None] * len(cache)
-    moves = {"prompt": 0, "decode": 0}
+    moves = Counter()
 
     def observe(phase):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
             now = None if keys is None else buffers(keys)
-            moves[phase] += last[i] is not None and now != last[i]
+            moves[phase, type(c).__name__] += last[i] is not None and now != last[i]
             last[i] = now
 
     mx.clear_cache()
@@ -105,13 +114,37 @@ def side_by_side(model, prompt, args, max_kv_size):
 def agreement(a, b):
     """``"identical"``, or where the two token lists part."""
     if a == b:
-        return f"identical, {len(a)} of {len(a)}"
+        return f"identical ({len(a)} of {len(a)})"
     first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    return f"part at token {first + 1} of {len(a)}"
+    return f"part at token {first + 1}"
 
 
 def kb(n):
     return f"{n / 1024:,.0f} KiB"
+
+
+def cli_run(path, text, args):
+    """``python -m mlx_lm_patched.generate`` on the prompt: its output lines."""
+    flags = ["--max-tokens", str(args.max_tokens)]
+    flags += ["--prefill-step-size", str(args.prefill_step_size)]
+    print(
+        "$ python -m mlx_lm_patched.generate --model <the model> "
+        f"--ignore-chat-template --prompt <the prompt> {' '.join(flags)}"
+    )
+    cmd = [sys.executable, "-m", "mlx_lm_patched.generate", "--model", path]
+    cmd += ["--ignore-chat-template", "--prompt", text] + flags
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if done.returncode:
+        print(done.stderr, file=sys.stderr)
+        sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
+    _, answer, stats = done.stdout.split("==========\n")
+    tail = text.splitlines()[-2:]
+    lines = (tail[0] + "\n" + tail[1] + printable(answer).rstrip()).splitlines()
+    for line in lines[:8]:
+        print(f"  | {line}")
+    if len(lines) > 8:
+        print(f"  | ... ({len(lines) - 8} more lines)")
+    print("  " + "; ".join(stats.strip().splitlines()[:3]))
 
 
 def main(argv=None):
@@ -119,90 +152,79 @@ def main(argv=None):
         prog="python -m mlx_lm_patched.demo", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--model", help="model directory (default: the demo model)")
-    parser.add_argument("--prompt-tokens", type=int, default=600)
-    parser.add_argument("--max-tokens", type=int, default=200)
+    # The demo model was trained on 256-token windows: prompt and answer fit.
+    parser.add_argument("--prompt-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-kv-size", type=int, default=128)
-    parser.add_argument("--prefill-step-size", type=int, default=64)
+    parser.add_argument("--prefill-step-size", type=int, default=32)
     args = parser.parse_args(argv)
 
     path = str(args.model or tiny.demo_model_dir())
     model, tokenizer = load(path)
     text = prompt_text(tokenizer, args.prompt_tokens)
     prompt = mx.array(tokenizer.encode(text))
+    warnings.filterwarnings("ignore", "mlx_lm_patched: max_kv_size")  # said below
     own = side_by_side(model, prompt, args, None)
     bounded = side_by_side(model, prompt, args, args.max_kv_size)
-
-    n = args.max_tokens
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    ring = "RotatingKVCache"
+    n, size = args.max_tokens, args.max_kv_size
     same = own[0]["tokens"] == own[1]["tokens"]
+
+    print(f"mlx-lm-patched demo: greedy generation, patched next to upstream mlx-lm")
     print(
-        f"mlx-lm-patched: the same {n} greedy tokens as mlx-lm "
-        if same
-        else f"mlx-lm-patched: tokens DIFFER from mlx-lm's "
+        f"- the model's own caches: {'the same' if same else 'DIFFERENT'} {n} tokens; "
+        f"the ring reallocated {own[1]['moves']['decode', ring]} times while "
+        f"decoding (upstream: {own[0]['moves']['decode', ring]})"
     )
     print(
-        f"  (model's own caches), decode reallocations {own[0]['moves']['decode']} "
-        f"-> {own[1]['moves']['decode']}; with --max-kv-size {args.max_kv_size} the "
-        f"cache ends at {kb(bounded[1]['nbytes'])}, upstream's at "
-        f"{kb(bounded[0]['nbytes'])}."
+        f"- --max-kv-size {size}: the cache ends at {kb(bounded[1]['nbytes'])}; "
+        f"upstream ignores the flag for this model ({kb(bounded[0]['nbytes'])}, growing)"
     )
+    layers = ", ".join(
+        f"{i}: {type(c).__name__}"
+        + (f"({c.max_size})" if hasattr(c, "max_size") else "")
+        for i, c in enumerate(cache_module.make_prompt_cache(model))
+    )
+    print(f"\nModel: {path} ({len(model.layers)} layers; caches {layers})")
     print(
-        f"\nModel: {path}, {len(model.layers)} layers, caches {', '.join(own[0]['kinds'])}"
+        f"Prompt: {prompt.size} tokens of contextlib.py, held out of the model's "
+        "training, ending in 'def'\n"
     )
-    print(
-        f"  (trained here on Python's standard library; prompt: {prompt.size} "
-        "tokens of argparse.py, held out of training)"
-    )
-    flags = ["--max-tokens", str(n), "--prefill-step-size", str(args.prefill_step_size)]
-    cmd = [sys.executable, "-m", "mlx_lm_patched.generate", "--model", path]
-    cmd += ["--ignore-chat-template", "--prompt", text] + flags
-    print(
-        f"\n$ python -m mlx_lm_patched.generate --model ... --prompt <the prompt> {' '.join(flags)}"
-    )
-    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    if done.returncode:
-        print(done.stderr, file=sys.stderr)
-        sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
-    generated = done.stdout.split("==========\n")[1].rstrip("\n").splitlines()
-    print(printable("    def " + "\n".join(generated[:8])))
-    print("    ..." if len(generated) > 8 else "", end="")
-    print(
-        "\n".join(
-            printable(l) for l in done.stdout.split("==========\n")[2].splitlines()[:2]
-        )
-    )
+    cli_run(path, text, args)
 
     print(
-        f"\nIn-process, greedy, {n} tokens, prompt in chunks of {args.prefill_step_size}:"
+        f"\nIn-process, the same greedy generation (prompt in chunks of {args.prefill_step_size}):"
     )
-    head = f"{'model caches':>22}{f'--max-kv-size {args.max_kv_size}':>24}"
-    print(f"{'':<24}{head}")
-    print(f"{'':<24}{'upstream':>11}{'patched':>11}{'upstream':>13}{'patched':>11}")
+    print(f"{'':<38}{'model caches':>20}{f'--max-kv-size {size}':>22}")
+    print(f"{'':<38}{'upstream':>10}{'patched':>10}{'upstream':>12}{'patched':>10}")
     rows = [
-        ("peak memory, prompt", lambda r: kb(r["peaks"][0])),
-        ("peak memory, decode", lambda r: kb(r["peaks"][1])),
+        ("peak memory above weights, prompt", lambda r: kb(r["peaks"][0] - weights)),
+        ("peak memory above weights, decode", lambda r: kb(r["peaks"][1] - weights)),
         ("cache bytes at the end", lambda r: kb(r["nbytes"])),
-        ("reallocations, prompt", lambda r: r["moves"]["prompt"]),
-        ("reallocations, decode", lambda r: r["moves"]["decode"]),
     ]
+    keys = sorted(set().union(*(r["moves"] for r in own + bounded)))
+    for phase, kind in sorted(keys, key=lambda k: (k[0] == "decode", k[1])):
+        label = f"reallocations, {phase}, {kind}"
+        rows.append((label, lambda r, k=(phase, kind): r["moves"][k]))
     for label, cell in rows:
         a, b, c, d = (cell(r) for r in own + bounded)
-        print(f"{label:<24}{a:>11}{b:>11}{c:>13}{d:>11}")
-    print(f"{'tokens':<24}{agreement(*[r['tokens'] for r in own]):>22}", end="")
-    print(f"{agreement(*[r['tokens'] for r in bounded]):>24}")
+        print(f"{label:<38}{a:>10}{b:>10}{c:>12}{d:>10}")
+    print(f"{'tokens':<38}{agreement(*[r['tokens'] for r in own]):>20}", end="")
+    print(f"{agreement(*[r['tokens'] for r in bounded]):>22}")
     print(
         "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
-        "attention the same keys, values and masks upstream does, from a buffer\n"
-        "allocated once. Prompt reallocations: a chunk that runs past a full ring is\n"
-        "attended over the ring plus the chunk and leaves a new ring (upstream\n"
-        "concatenates as well); from the first decode step on, nothing moves."
-    )
-    print(
-        f"--max-kv-size {args.max_kv_size}: upstream ignores it for models that make "
-        f"their own cache\n(its KVCache grows with the context: {', '.join(bounded[0]['kinds'])}); "
-        f"patched, the full layer\nbecomes RotatingKVCache({args.max_kv_size}, keep=4) and "
-        "forgets the middle of the context, so\nits tokens may differ. Upstream's own "
-        "ring would differ too: it hides its 4 keep\ntokens from chunked queries (an "
-        "upstream bug, fixed here; see README)."
+        "attention the keys, values and masks upstream's does, from one buffer,\n"
+        "written in place: chunks shorter than the ring and every decode step.\n"
+        "Upstream's ring grows by concatenation instead. A chunk as long as the\n"
+        "ring (--prefill-step-size 64 here) is attended over the ring plus the\n"
+        "chunk and leaves a new ring, patched as upstream: writing into the old one\n"
+        "would need a sync inside the model. KVCache grows in 256-token steps.\n"
+        f"--max-kv-size {size}: upstream ignores it for models that make their own\n"
+        f"cache, so its KVCache grows; patched, layer 1 becomes RotatingKVCache({size},\n"
+        "keep=4), which forgets the middle of the context: other tokens are expected.\n"
+        "Upstream's own ring would part from the patched one too: it hides its 4 keep\n"
+        "tokens from chunked queries, an upstream bug fixed here (see the README)."
     )
     if not same:
         sys.exit("the patches changed the tokens of the model's own caches")

@@ -184,12 +184,15 @@ def test_generate_front_runs_without_warnings():
 
 
 def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
-    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "200"]
-    args += ["--max-tokens", "40", "--prefill-step-size", "64", "--max-kv-size", "64"]
+    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "100"]
+    args += ["--max-tokens", "40", "--prefill-step-size", "16", "--max-kv-size", "48"]
     out = python("-m", "mlx_lm_patched.demo", *args).stdout
-    assert "Peak memory:" in out
-    assert "reallocations, prompt, RotatingKVCache" in out
-    assert "tokens identical: yes" in out
+    lines = out.splitlines()
+    assert lines[0].startswith("mlx-lm-patched demo:")
+    assert lines[1].startswith("- the model's own caches: the same 40 tokens")
+    assert "Generation: 40 tokens" in out
+    assert "reallocations, decode, RotatingKVCache" in out
+    assert "identical (40 of 40)" in out
 
 
 # mlx_lm_patched.tiny, the models the tests and the demo run on.

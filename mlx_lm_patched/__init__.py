@@ -10,6 +10,14 @@ import os
 import warnings
 from typing import Dict, List
 
+try:
+    import mlx.core  # noqa: F401
+except ImportError as e:  # MLX's Linux wheel without a back-end
+    raise ImportError(
+        f"{e}. On Linux, MLX needs a back-end: install with an extra, "
+        '`pip install "mlx-lm-patched[cpu]"` (or [cuda12], [cuda13])'
+    ) from e
+
 from . import (
     _registry,
     batch_generator_kv_bits,

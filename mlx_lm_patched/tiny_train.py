@@ -281,9 +281,10 @@ def build(path, config=CONFIG, recipe=RECIPE):
     return path
 
 
-def stamp(config=CONFIG, recipe=RECIPE):
-    """What a trained directory was made from: a different one is stale."""
-    return {"config": config, "recipe": recipe}
+def stamp(config=None, recipe=None):
+    """What a trained directory was made from (by default the current
+    ``CONFIG`` and ``RECIPE``): a directory made from another is stale."""
+    return {"config": config or CONFIG, "recipe": recipe or RECIPE}
 
 
 def main(argv=None):

@@ -214,15 +214,15 @@ def main(argv=None):
     print(f"{agreement(*[r['tokens'] for r in bounded]):>22}")
     print(
         "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
-        "attention the keys, values and masks upstream's does, from one buffer,\n"
-        "written in place: chunks shorter than the ring and every decode step.\n"
-        "Upstream's ring grows by concatenation instead. A chunk as long as the\n"
-        "ring (--prefill-step-size 64 here) is attended over the ring plus the\n"
-        "chunk and leaves a new ring, patched as upstream: writing into the old one\n"
-        "would need a sync inside the model. KVCache grows in 256-token steps.\n"
+        "attention the keys, values and masks upstream's does, from a buffer written\n"
+        "in place by every decode step and by the chunks that fill it (upstream's\n"
+        "ring grows by concatenating). A chunk past a full ring is attended over the\n"
+        "ring plus the chunk and leaves a new ring, patched as upstream: writing into\n"
+        "the old one would need a sync inside the model. (A reallocation is a layer's\n"
+        "keys changing buffer or shape; a new buffer at a freed address goes unseen.)\n"
         f"--max-kv-size {size}: upstream ignores it for models that make their own\n"
         f"cache, so its KVCache grows; patched, layer 1 becomes RotatingKVCache({size},\n"
-        "keep=4), which forgets the middle of the context: other tokens are expected.\n"
+        "keep=4), which forgets the middle of the context, so its tokens may differ.\n"
         "Upstream's own ring would part from the patched one too: it hides its 4 keep\n"
         "tokens from chunked queries, an upstream bug fixed here (see the README)."
     )

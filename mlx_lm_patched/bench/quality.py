@@ -9,6 +9,7 @@ same table on any mlx-lm model.
 
 import argparse
 import math
+import warnings
 
 import mlx.core as mx
 from mlx_lm.generate import _merge_caches, maybe_quantize_kv_cache
@@ -110,6 +111,7 @@ def main(argv=None):
     parser.add_argument("--rings", default="128,64,32", help="max_kv_size values")
     args = parser.parse_args(argv)
 
+    warnings.filterwarnings("ignore", "mlx_lm_patched: max_kv_size")  # the rows say
     path = str(args.model or tiny.demo_model_dir())
     model, tokenizer = load(path)
     model.set_dtype(mx.bfloat16)

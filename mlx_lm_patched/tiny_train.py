@@ -25,7 +25,7 @@ CONFIG = {
     "num_key_value_heads": 1,
     "head_dim": 64,
     "rms_norm_eps": 1e-5,
-    "vocab_size": 512,
+    "vocab_size": 1024,
     "max_position_embeddings": 8192,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -38,7 +38,6 @@ RECIPE = {
     "length": 256,
     "lr": 5e-3,
     "seed": 0,
-    "tokenizer_files": 60,
 }
 HELD_OUT = 10  # every 10th standard library module is kept out of training
 
@@ -255,9 +254,7 @@ def build(path, config=CONFIG, recipe=RECIPE):
 
     path = Path(path)
     texts = corpus()
-    tokenizer = tiny.bpe_tokenizer(
-        texts[: recipe["tokenizer_files"]], config["vocab_size"]
-    )
+    tokenizer = tiny.bpe_tokenizer(texts, config["vocab_size"])
     eos = tokenizer.token_to_id("<|endoftext|>")
     ids = np.concatenate([e.ids + [eos] for e in tokenizer.encode_batch(texts)])
     bar = tqdm(

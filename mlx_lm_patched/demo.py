@@ -139,7 +139,10 @@ def cli_run(path, text, args):
         sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
     _, answer, stats = done.stdout.split("==========\n")
     tail = text.splitlines()[-2:]
-    lines = (tail[0] + "\n" + tail[1] + printable(answer).rstrip()).splitlines()
+    # mlx-lm's detokenizer drops the space the first generated token starts with.
+    answer = printable(answer).rstrip()
+    answer = answer if answer[:1].isspace() else " " + answer
+    lines = (tail[0] + "\n" + tail[1] + answer).splitlines()
     for line in lines[:8]:
         print(f"  | {line}")
     if len(lines) > 8:

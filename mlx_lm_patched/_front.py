@@ -33,7 +33,11 @@ def preflight(prog, argv):
             sys.exit(f"{prog}: error: --prompt-cache-file {path}: no such file")
         if not os.access(path, os.R_OK):
             sys.exit(f"{prog}: error: --prompt-cache-file {path}: not readable")
-    if args.kv_bits is not None and args.quantized_kv_start is None:
+    # An unsupported --kv-bits gets its error, not this notice.
+    if (
+        args.kv_bits in {"2", "3", "4", "5", "6", "8"}
+        and args.quantized_kv_start is None
+    ):
         print(
             f"{prog}: note: --kv-bits quantizes a cache once it holds "
             f"{QUANTIZED_KV_START} tokens (--quantized-kv-start); shorter "

@@ -20,9 +20,10 @@ venv: $(VENV)/.installed
 endif
 
 $(VENV)/.installed: pyproject.toml
+	@echo "Creating $(VENV) and installing mlx-lm-patched[$(EXTRAS)] (a minute or two)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install --progress-bar on -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: venv

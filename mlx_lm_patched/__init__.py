@@ -6,9 +6,18 @@ patch lives in the module named for what it fixes; ``status()`` tells which
 are applied and whether upstream still matches what they were written for.
 """
 
+import importlib
 import os
 import warnings
 from typing import Dict, List
+
+try:
+    importlib.import_module("mlx.core")
+except ImportError as e:  # MLX's Linux wheel without a back-end
+    raise ImportError(
+        f"{e}. On Linux, MLX needs a back-end: install with an extra, "
+        '`pip install "mlx-lm-patched[cpu]"` (or [cuda12], [cuda13])'
+    ) from e
 
 from . import (
     _registry,
@@ -136,6 +145,20 @@ def status() -> Dict[str, dict]:
         for p in PATCHES
     }
 
+
+_formatwarning = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None):
+    """This package's warnings in one line, without the source line Python
+    adds; every other warning as before."""
+    text = str(message)
+    if issubclass(category, PatchDriftWarning) or text.startswith("mlx_lm_patched:"):
+        return f"{category.__name__}: {text}\n"
+    return _formatwarning(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _format_warning
 
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()

@@ -6,7 +6,7 @@ from mlx_lm_patched._front import run
 
 
 def main():
-    run(upstream_main)
+    run(upstream_main, "chat")
 
 
 if __name__ == "__main__":

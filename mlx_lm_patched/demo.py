@@ -1,52 +1,49 @@
-"""``make demo``: the drop-in front end to end, then patched next to upstream.
+"""``make demo``: mlx-lm patched next to upstream, on a model trained here.
 
-Runs ``python -m mlx_lm_patched.generate`` on a tiny local model (llama with
-sliding layers, so its cache mixes ``RotatingKVCache`` and ``KVCache``), then
-the same greedy generation in-process with the patches reverted and applied,
-and prints peak memory, cache bytes, cache buffer reallocations and whether
-the tokens match. Works with whatever is in ``mlx_lm_patched.PATCHES``.
+Runs ``python -m mlx_lm_patched.generate`` on the demo model (a small llama
+trained on the standard library, ``tiny_train``: a sliding-window layer, so a
+``RotatingKVCache``, and a full one, a ``KVCache``), then the same greedy
+generation in-process with the patches reverted and applied, and prints peak
+memory, cache bytes, cache buffer reallocations and whether the tokens match.
 """
 
 import argparse
 import re
 import subprocess
 import sys
+import warnings
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.utils import load
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched import tiny, tiny_train
 
 
 def printable(text: str) -> str:
-    """Random weights emit random bytes; keep control characters off the terminal."""
+    """Keep control characters (a random model's bytes) off the terminal."""
     return re.sub(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", " ", text)
 
 
-def measure(model, prompt, args, max_kv_size):
-    """Tokens, peak memory of prefill and of decode, final cache bytes."""
-    cache = cache_module.make_prompt_cache(model, max_kv_size)
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    tokens, peaks = [], []
-    for token, _ in generate_step(
-        prompt,
-        model,
-        max_tokens=args.max_tokens,
-        prompt_cache=cache,
-        prefill_step_size=args.prefill_step_size,
-    ):
-        if not tokens:
-            peaks.append(mx.get_peak_memory())
-            mx.reset_peak_memory()
-        tokens.append(token)
-    peaks.append(mx.get_peak_memory())
-    return tokens, peaks, sum(c.nbytes for c in cache)
+def prompt_text(tokenizer, n):
+    """About ``n`` tokens of a held-out standard library module (contextlib),
+    from its first class on, cut so that the model is asked to write the
+    next method: the prompt ends in ``def`` (its space starts the next
+    token, as in the text the model learnt from)."""
+    text = next(
+        f.read_text()
+        for f in tiny_train.corpus_files(held_out=True)
+        if f.name == "contextlib.py"
+    )
+    text = text[text.find("\nclass ") + 1 :]
+    head = tokenizer.decode(tokenizer.encode(text[: 8 * n])[:n])
+    cut = head.rfind("\n    def ")
+    return head[: cut + len("\n    def")] if cut > 0 else head
 
 
 def buffers(keys):
@@ -57,55 +54,50 @@ def buffers(keys):
     ]
 
 
-def count_reallocations(model, prompt, args, max_kv_size):
-    """Per phase and cache type: how often a layer's ``keys`` moved to another
-    buffer or changed shape between two prompt chunks or two decode steps
-    (its first allocation not counted). Prefills the way ``generate_step``
-    does. Only addresses are kept, so no buffer outlives its cache's use."""
+def run(model, prompt, args, max_kv_size):
+    """Greedy tokens, peak memory of prefill and of decode, final cache bytes,
+    and how often a layer's ``keys`` moved to another buffer or changed shape
+    between two prompt chunks or two decode steps (first allocation not
+    counted). Only addresses are kept, so no buffer outlives its use."""
     cache = cache_module.make_prompt_cache(model, max_kv_size)
     last = [None] * len(cache)
-    counts = Counter()
+    moves = Counter()
 
     def observe(phase):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
             now = None if keys is None else buffers(keys)
-            counts[phase, type(c).__name__] += last[i] is not None and now != last[i]
+            moves[phase, type(c).__name__] += last[i] is not None and now != last[i]
             last[i] = now
 
+    mx.clear_cache()
+    mx.reset_peak_memory()
     step = args.prefill_step_size
     for start in range(0, prompt.size - 1, step):
         model(prompt[None, start : min(start + step, prompt.size - 1)], cache=cache)
-        mx.eval([c.keys for c in cache if getattr(c, "keys", None) is not None])
+        mx.eval([c.state for c in cache])
         observe("prompt")
-    for _ in generate_step(
+    tokens, peaks = [], [mx.get_peak_memory()]
+    mx.reset_peak_memory()
+    for token, _ in generate_step(
         prompt[-1:], model, max_tokens=args.max_tokens, prompt_cache=cache
     ):
+        tokens.append(token)
         observe("decode")
-    return counts
-
-
-def run(model, prompt, args, max_kv_size):
-    tokens, peaks, nbytes = measure(model, prompt, args, max_kv_size)
-    reallocs = count_reallocations(model, prompt, args, max_kv_size)
-    kinds = Counter(
-        type(c).__name__ for c in cache_module.make_prompt_cache(model, max_kv_size)
-    )
+    peaks.append(mx.get_peak_memory())
+    kinds = sorted({type(c).__name__ for c in cache})
+    nbytes = sum(c.nbytes for c in cache)
     return {
         "tokens": tokens,
         "peaks": peaks,
         "nbytes": nbytes,
-        "reallocs": reallocs,
+        "moves": moves,
         "kinds": kinds,
     }
 
 
-def mb(n):
-    return f"{n / 1e6:.2f} MB"
-
-
-def compare(model, prompt, args, max_kv_size):
-    """Print upstream next to patched; return whether the tokens match."""
+def side_by_side(model, prompt, args, max_kv_size):
+    """Upstream (patches reverted) and patched runs of ``run``."""
     before = [n for n, s in mlx_lm_patched.status().items() if s["applied"]]
     try:
         mlx_lm_patched.revert()
@@ -116,80 +108,127 @@ def compare(model, prompt, args, max_kv_size):
         mlx_lm_patched.revert()
         if before:
             mlx_lm_patched.apply(*before)
-
-    def caches(r):
-        return ", ".join(f"{n} {k}" for k, n in sorted(r["kinds"].items()))
-
-    print(f"  {'':<42}{'upstream':>16}{'patched':>16}")
-    rows = [
-        ("peak memory, prompt", mb(upstream["peaks"][0]), mb(patched["peaks"][0])),
-        ("peak memory, decode", mb(upstream["peaks"][1]), mb(patched["peaks"][1])),
-        ("cache bytes at the end", mb(upstream["nbytes"]), mb(patched["nbytes"])),
-    ]
-    keys = set(upstream["reallocs"]) | set(patched["reallocs"])
-    for phase, kind in sorted(keys, key=lambda k: (k[0] == "decode", k[1])):
-        key = (phase, kind)
-        label = f"reallocations, {phase}, {kind}"
-        rows.append((label, upstream["reallocs"][key], patched["reallocs"][key]))
-    for label, a, b in rows:
-        print(f"  {label:<42}{a:>16}{b:>16}")
-    print(f"  caches: upstream {caches(upstream)}; patched {caches(patched)}")
-    same = upstream["tokens"] == patched["tokens"]
-    agree = sum(a == b for a, b in zip(upstream["tokens"], patched["tokens"]))
-    print(f"  tokens identical: {'yes' if same else 'NO'}", end="")
-    print(f" ({agree} of {len(upstream['tokens'])} agree)")
-    return same
+    return upstream, patched
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the demo model)")
-    parser.add_argument("--prompt-tokens", type=int, default=1000)
-    parser.add_argument("--max-tokens", type=int, default=300)
-    parser.add_argument("--max-kv-size", type=int, default=512)
-    parser.add_argument("--prefill-step-size", type=int, default=256)
-    args = parser.parse_args()
+def agreement(a, b):
+    """``"identical"``, or where the two token lists part."""
+    if a == b:
+        return f"identical ({len(a)} of {len(a)})"
+    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"part at token {first + 1}"
 
-    path = str(args.model or tiny.demo_model_dir())
-    model, tokenizer = load(path)
-    words = tiny.TEXT.split()
-    text, n = "", 0
-    while len(tokenizer.encode(text)) < args.prompt_tokens:
-        text += " " + words[n % len(words)]
-        n += 1
-    messages = [{"role": "user", "content": text.strip()}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    print(f"Model: {path}; prompt {len(prompt)} tokens")
 
-    print("\n$ python -m mlx_lm_patched.generate --model ... --prompt <text>", end="")
-    flags = ["--max-tokens", args.max_tokens, "--max-kv-size", args.max_kv_size]
-    flags += ["--prefill-step-size", args.prefill_step_size]
-    flags = [str(f) for f in flags]
-    print(" " + " ".join(flags))
+def kb(n):
+    return f"{n / 1024:,.0f} KiB"
+
+
+def cli_run(path, text, args):
+    """``python -m mlx_lm_patched.generate`` on the prompt: its output lines."""
+    flags = ["--max-tokens", str(args.max_tokens)]
+    flags += ["--prefill-step-size", str(args.prefill_step_size)]
+    print(
+        "$ python -m mlx_lm_patched.generate --model <the model> "
+        f"--ignore-chat-template --prompt <the prompt> {' '.join(flags)}"
+    )
     cmd = [sys.executable, "-m", "mlx_lm_patched.generate", "--model", path]
-    cmd += ["--prompt", text.strip()] + flags
+    cmd += ["--ignore-chat-template", "--prompt", text] + flags
     done = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
-    print(printable(done.stdout))
     if done.returncode:
         print(done.stderr, file=sys.stderr)
         sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
+    _, answer, stats = done.stdout.split("==========\n")
+    tail = text.splitlines()[-2:]
+    # mlx-lm's detokenizer drops the space the first generated token starts with.
+    answer = printable(answer).rstrip()
+    answer = answer if answer[:1].isspace() else " " + answer
+    lines = (tail[0] + "\n" + tail[1] + answer).splitlines()
+    for line in lines[:8]:
+        print(f"  | {line}")
+    if len(lines) > 8:
+        print(f"  | ... ({len(lines) - 8} more lines)")
+    print("  " + "; ".join(stats.strip().splitlines()[:3]))
 
-    print("Patches:")
-    for name, s in mlx_lm_patched.status().items():
-        state = "drift: " + "; ".join(s["drift"]) if s["drift"] else "ok"
-        print(f"  {name:<26} {state}")
-    if not mlx_lm_patched.PATCHES:
-        print("  (none in mlx_lm_patched.PATCHES yet: both columns run upstream)")
 
-    prompt = mx.array(prompt)
-    print(f"\nThe same generation in-process ({args.max_tokens} tokens, greedy),")
-    print("with the model's own caches:")
-    same = compare(model, prompt, args, None)
-    print(
-        f"\nand with max_kv_size={args.max_kv_size}, which upstream ignores for models with"
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_lm_patched.demo", description=__doc__.splitlines()[0]
     )
-    print("make_cache (bounded caches forget, so here the tokens may differ):")
-    compare(model, prompt, args, args.max_kv_size)
+    parser.add_argument("--model", help="model directory (default: the demo model)")
+    # The demo model was trained on 256-token windows: prompt and answer fit.
+    parser.add_argument("--prompt-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-kv-size", type=int, default=128)
+    parser.add_argument("--prefill-step-size", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    path = str(args.model or tiny.demo_model_dir())
+    model, tokenizer = load(path)
+    text = prompt_text(tokenizer, args.prompt_tokens)
+    prompt = mx.array(tokenizer.encode(text))
+    warnings.filterwarnings("ignore", "mlx_lm_patched: max_kv_size")  # said below
+    own = side_by_side(model, prompt, args, None)
+    bounded = side_by_side(model, prompt, args, args.max_kv_size)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    ring = "RotatingKVCache"
+    n, size = args.max_tokens, args.max_kv_size
+    same = own[0]["tokens"] == own[1]["tokens"]
+
+    print("mlx-lm-patched demo: greedy generation, patched next to upstream mlx-lm")
+    print(
+        f"- the model's own caches: {'the same' if same else 'DIFFERENT'} {n} tokens; "
+        f"the ring reallocated {own[1]['moves']['decode', ring]} times while "
+        f"decoding (upstream: {own[0]['moves']['decode', ring]})"
+    )
+    print(
+        f"- --max-kv-size {size}: the cache ends at {kb(bounded[1]['nbytes'])}; "
+        f"upstream ignores the flag for this model ({kb(bounded[0]['nbytes'])}, growing)"
+    )
+    layers = ", ".join(
+        f"{i}: {type(c).__name__}"
+        + (f"({c.max_size})" if hasattr(c, "max_size") else "")
+        for i, c in enumerate(cache_module.make_prompt_cache(model))
+    )
+    print(f"\nModel: {path} ({len(model.layers)} layers; caches {layers})")
+    print(
+        f"Prompt: {prompt.size} tokens of contextlib.py, held out of the model's "
+        "training, ending in 'def'\n"
+    )
+    cli_run(path, text, args)
+
+    print(
+        f"\nIn-process, the same greedy generation (prompt in chunks of {args.prefill_step_size}):"
+    )
+    print(f"{'':<38}{'model caches':>20}{f'--max-kv-size {size}':>22}")
+    print(f"{'':<38}{'upstream':>10}{'patched':>10}{'upstream':>12}{'patched':>10}")
+    rows = [
+        ("peak memory above weights, prompt", lambda r: kb(r["peaks"][0] - weights)),
+        ("peak memory above weights, decode", lambda r: kb(r["peaks"][1] - weights)),
+        ("cache bytes at the end", lambda r: kb(r["nbytes"])),
+    ]
+    keys = sorted(set().union(*(r["moves"] for r in own + bounded)))
+    for phase, kind in sorted(keys, key=lambda k: (k[0] == "decode", k[1])):
+        label = f"reallocations, {phase}, {kind}"
+        rows.append((label, lambda r, k=(phase, kind): r["moves"][k]))
+    for label, cell in rows:
+        a, b, c, d = (cell(r) for r in own + bounded)
+        print(f"{label:<38}{a:>10}{b:>10}{c:>12}{d:>10}")
+    print(f"{'tokens':<38}{agreement(*[r['tokens'] for r in own]):>20}", end="")
+    print(f"{agreement(*[r['tokens'] for r in bounded]):>22}")
+    print(
+        "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
+        "attention the keys, values and masks upstream's does, from a buffer written\n"
+        "in place by every decode step and by the chunks that fill it (upstream's\n"
+        "ring grows by concatenating). A chunk past a full ring is attended over the\n"
+        "ring plus the chunk and leaves a new ring, patched as upstream: writing into\n"
+        "the old one would need a sync inside the model. (A reallocation is a layer's\n"
+        "keys changing buffer or shape; a new buffer at a freed address goes unseen.)\n"
+        f"--max-kv-size {size}: upstream ignores it for models that make their own\n"
+        f"cache, so its KVCache grows; patched, layer 1 becomes RotatingKVCache({size},\n"
+        "keep=4), which forgets the middle of the context, so its tokens may differ.\n"
+        "Upstream's own ring would part from the patched one too: it hides its 4 keep\n"
+        "tokens from chunked queries, an upstream bug fixed here (see the README)."
+    )
     if not same:
         sys.exit("the patches changed the tokens of the model's own caches")
 

@@ -10,7 +10,7 @@ from mlx_lm_patched._front import run
 
 
 def main():
-    run(upstream_main)
+    run(upstream_main, "generate")
 
 
 class _CallableModule(types.ModuleType):

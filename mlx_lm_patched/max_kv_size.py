@@ -61,7 +61,7 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
             parts.append(f"layer{'s' * (len(layers) > 1)} {spans}: {c}")
         # A warning, not a log record: CLI users see it on stderr.
         warnings.warn(
-            f"max_kv_size={max_kv_size} bounds "
+            f"mlx_lm_patched: max_kv_size={max_kv_size} bounds "
             f"{sum(map(len, changed.values()))} of {len(cache)} cache layers of "
             f"{name}: " + "; ".join(parts),
             stacklevel=3,

@@ -39,7 +39,7 @@ def checked_main():
 
 
 def main():
-    run(checked_main)
+    run(checked_main, "server")
 
 
 if __name__ == "__main__":

@@ -277,8 +277,8 @@ def main():
         type=int,
         default=None,
         help="Number of bits for KV cache quantization (e.g., 4 or 8). "
-        "Reduces memory usage for long contexts. Disables batching, so "
-        "requests are served one at a time. Default: None (full precision)",
+        "Reduces memory usage for long contexts; requests are still batched. "
+        "Default: None (full precision)",
     )
     parser.add_argument(
         "--kv-group-size",

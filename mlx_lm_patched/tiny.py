@@ -1,11 +1,11 @@
-"""Tiny random-weight models built from mlx-lm's own model classes.
+"""Tiny models built from mlx-lm's own model classes.
 
 ``make_model_dir`` writes a directory ``mlx_lm.load`` accepts: ``config.json``,
 ``model.safetensors`` and a byte-level BPE tokenizer (vocabulary 512, an eos
 token and a ChatML-style chat template) trained here on a built-in text, so
 nothing is downloaded. Weights depend only on the family, the overrides, the
-seed and the dtype. ``tiny_model`` loads one for tests; ``demo_model_dir`` is
-the cached model ``make demo`` uses.
+seed and the dtype. ``tiny_model`` loads one for tests. ``demo_model_dir`` is
+the model ``make demo`` uses: trained, not random (``tiny_train``), cached.
 """
 
 import functools
@@ -13,6 +13,8 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Union
@@ -109,30 +111,38 @@ def model_config(family: str = "llama", **overrides) -> dict:
     return config
 
 
-@functools.lru_cache(maxsize=None)
-def tokenizer_json() -> str:
-    """A byte-level BPE tokenizer trained on ``TEXT``, as ``tokenizer.json``."""
+def bpe_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` trained on
+    ``texts``, ``SPECIAL_TOKENS`` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TEXT.splitlines(), trainer)
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+    tokenizer.train_from_iterator(texts, trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"trained {tokenizer.get_vocab_size()} tokens")
-    return tokenizer.to_str()
+    return tokenizer
 
 
-def write_tokenizer(path: Union[str, Path]) -> Path:
+@functools.lru_cache(maxsize=None)
+def tokenizer_json() -> str:
+    """A byte-level BPE tokenizer trained on ``TEXT``, as ``tokenizer.json``."""
+    return bpe_tokenizer(TEXT.splitlines(), VOCAB_SIZE).to_str()
+
+
+def write_tokenizer(path: Union[str, Path], tokenizer: Optional[str] = None) -> Path:
+    """Write ``tokenizer`` (a ``tokenizer.json`` text, by default
+    ``tokenizer_json()``) and its ``tokenizer_config.json`` to ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(tokenizer_json())
+    (path / "tokenizer.json").write_text(tokenizer or tokenizer_json())
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
@@ -194,25 +204,33 @@ def home() -> Path:
     return Path(os.environ.get("MLX_LM_PATCHED_HOME", default))
 
 
-DEMO_FAMILY = "llama_sliding"
-DEMO_OVERRIDES = {"sliding_window": 256}
-
-
 def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
-    """The demo model (llama with sliding layers), made if missing or stale."""
+    """The demo model: a small llama with sliding and full layers trained on
+    the standard library's sources (``tiny_train``), trained once in a
+    subprocess (a minute or two on two cores) and reused while its config and
+    recipe stay the same."""
+    from mlx_lm_patched import tiny_train
+
     path = Path(path) if path is not None else home() / "demo-model"
-    config = model_config(DEMO_FAMILY, **DEMO_OVERRIDES)
     if (path / "config.json").exists():
-        if json.loads((path / "config.json").read_text()) == config:
+        stamp = path / "training.json"
+        if stamp.exists() and json.loads(stamp.read_text()) == tiny_train.stamp():
             return path
         shutil.rmtree(path)
     # Build beside the target and rename, so a concurrent reader never sees
     # a half-written directory.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
-    make_model_dir(tmp, DEMO_FAMILY, **DEMO_OVERRIDES)
     try:
+        # One BLAS thread: the same sums in the same order on every machine,
+        # and no spinning threads on a shared CPU.
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        recipe = json.dumps(tiny_train.RECIPE)
+        cmd = [sys.executable, "-m", "mlx_lm_patched.tiny_train", str(tmp)]
+        subprocess.run(cmd + ["--recipe", recipe], env=env, check=True)
         tmp.rename(path)
     except OSError:
-        shutil.rmtree(tmp)  # another process won the race
+        pass  # another process won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -227,3 +227,25 @@ def test_slack_bench_decodes_every_ring_in_place():
     sides = [k for k in result if k.startswith(("upstream", "patched"))]
     assert sides == ["upstream", "patched_slack_0", "patched_slack_4"]
     assert all(result[k]["ring_buffers"] == 1 for k in sides)
+
+
+def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
+    """On a tiny model: the reference row agrees with itself, a ring as large
+    as the sequence changes nothing, a merged batch gives each row its single
+    stream's tokens, a ring smaller than the context does change some, and
+    an 8-bit entry at rest leaves perplexity within 5%."""
+    from mlx_lm_patched.bench import quality
+
+    path = make_tiny_dir("llama_sliding", vocab_size=512)
+    args = ["--model", str(path), "--sequences", "2", "--length", "96"]
+    table = quality.main(args + ["--chunk", "32", "--rings", "96,16"])
+    rows = {label: (ppl, agree) for label, ppl, agree, _ in table}
+    reference = rows["bf16, unbounded (the reference)"]
+    assert reference[1] == 100
+    ring = rows["ring 96 (max_kv_size, keep 4)"]
+    assert ring[1] == 100 and ring[0] == pytest.approx(reference[0], rel=1e-3)
+    assert rows["batch of 2 (merged, left-padded) vs single"][1] == 100
+    assert rows["ring 16 (max_kv_size, keep 4)"][1] < 100
+    # An entry quantized at rest (8-bit) and fetched back costs little.
+    at_rest = rows["prompt cache entry at rest, 8-bit (half)"]
+    assert at_rest[0] == pytest.approx(reference[0], rel=0.05)

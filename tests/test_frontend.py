@@ -2,6 +2,8 @@
 
 import importlib
 import json
+import re
+import subprocess
 import sys
 
 import mlx_lm
@@ -9,7 +11,7 @@ import pytest
 from ringref import python
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched import tiny, tiny_train
 
 PROMPT = " ".join(tiny.TEXT.split()[:60])
 
@@ -34,6 +36,11 @@ print(json.dumps({
     for p in mlx_lm_patched.PATCHES
 }))
 """
+
+
+def run_python(*args):
+    """``python *args`` in a subprocess, whatever its exit status."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True)
 
 
 def generated_text(stdout):
@@ -90,6 +97,11 @@ def help_text(main, capsys, monkeypatch):
     return capsys.readouterr().out
 
 
+def flags(help_text):
+    """The option strings a ``--help`` text lists."""
+    return sorted(set(re.findall(r"(?<![\w-])--?[a-z][\w-]*", help_text)))
+
+
 @pytest.mark.parametrize(
     "front", ["generate", "chat", "server", "cache_prompt", "benchmark"]
 )
@@ -97,8 +109,72 @@ def test_front_takes_the_same_flags_as_upstream(front, capsys, monkeypatch):
     ours = importlib.import_module(f"mlx_lm_patched.{front}")
     theirs = importlib.import_module(f"mlx_lm.{front}")
     assert ours.main is not theirs.main
-    assert help_text(ours.main, capsys, monkeypatch) == help_text(
-        theirs.main, capsys, monkeypatch
+    ours_help = help_text(ours.main, capsys, monkeypatch)
+    assert ours_help.startswith(f"usage: mlx_lm_patched.{front} ")
+    assert flags(ours_help) == flags(help_text(theirs.main, capsys, monkeypatch))
+
+
+def test_server_help_says_kv_bits_keeps_batching(capsys, monkeypatch):
+    from mlx_lm_patched import server
+
+    text = " ".join(help_text(server.main, capsys, monkeypatch).split())
+    assert "requests are still batched" in text
+    assert "one at a time" not in text
+
+
+def test_argument_errors_name_the_patched_program():
+    done = run_python("-m", "mlx_lm_patched.generate", "--max-tokens", "many")
+    assert done.returncode == 2
+    assert "mlx_lm_patched.generate: error: argument --max-tokens" in done.stderr
+
+
+def test_missing_prompt_cache_file_is_one_line(tiny_model_dir, tmp_path):
+    missing = tmp_path / "nothing.safetensors"
+    args = ["--model", str(tiny_model_dir), "--prompt-cache-file", str(missing)]
+    done = run_python("-m", "mlx_lm_patched.generate", *args)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"mlx_lm_patched.generate: error: --prompt-cache-file {missing}: no such file"
+    ]
+
+
+def test_missing_model_directory_is_one_line(tmp_path):
+    missing = tmp_path / "model"
+    args = ["--model", str(missing), "--prompt", "hi"]
+    done = run_python("-m", "mlx_lm_patched.generate", *args)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"mlx_lm_patched.generate: error: --model {missing}: no such directory"
+    ]
+
+
+def test_kv_bits_below_quantized_kv_start_gives_one_notice(tiny_model_dir):
+    args = ["--model", str(tiny_model_dir), "--prompt", PROMPT, "--max-tokens", "5"]
+    done = python("-m", "mlx_lm_patched.generate", *args, "--kv-bits", "8")
+    assert done.stderr.count("note: --kv-bits quantizes a cache once it holds") == 1
+    start = ["--quantized-kv-start", "0"]
+    done = python("-m", "mlx_lm_patched.generate", *args, "--kv-bits", "8", *start)
+    assert "note:" not in done.stderr
+
+
+def test_bounded_run_warns_in_one_line_without_source(tiny_model_dir):
+    args = ["--model", str(tiny_model_dir), "--prompt", PROMPT, "--max-tokens", "5"]
+    done = python("-m", "mlx_lm_patched.generate", *args, "--max-kv-size", "32")
+    warned = [l for l in done.stderr.splitlines() if "max_kv_size=32" in l]
+    assert len(warned) == 1
+    assert warned[0].startswith("UserWarning: mlx_lm_patched: max_kv_size=32 bounds")
+    assert "make_prompt_cache(" not in done.stderr
+
+
+def test_status_command_prints_a_table():
+    done = python("-m", "mlx_lm_patched", "status")
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("mlx-lm-patched ")
+    for p in mlx_lm_patched.PATCHES:
+        assert any(l.split()[:2] == [p.name, "applied"] for l in lines), done.stdout
+    assert (
+        lines[-1]
+        == f"{len(mlx_lm_patched.PATCHES)} of {len(mlx_lm_patched.PATCHES)} patches applied"
     )
 
 
@@ -108,12 +184,15 @@ def test_generate_front_runs_without_warnings():
 
 
 def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
-    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "200"]
-    args += ["--max-tokens", "40", "--prefill-step-size", "64", "--max-kv-size", "64"]
+    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "100"]
+    args += ["--max-tokens", "40", "--prefill-step-size", "16", "--max-kv-size", "48"]
     out = python("-m", "mlx_lm_patched.demo", *args).stdout
-    assert "Peak memory:" in out
-    assert "reallocations, prompt, RotatingKVCache" in out
-    assert "tokens identical: yes" in out
+    lines = out.splitlines()
+    assert lines[0].startswith("mlx-lm-patched demo:")
+    assert lines[1].startswith("- the model's own caches: the same 40 tokens")
+    assert "Generation: 40 tokens" in out
+    assert "reallocations, decode, RotatingKVCache" in out
+    assert "identical (40 of 40)" in out
 
 
 # mlx_lm_patched.tiny, the models the tests and the demo run on.
@@ -173,8 +252,13 @@ def test_tiny_tokenizer_has_eos_and_a_chat_template(load_tiny):
     assert tokenizer.decode(tokenizer.encode(PROMPT)) == PROMPT
 
 
-def test_demo_model_is_created_once(tmp_path, monkeypatch):
+# A recipe of a few steps: what is tested is the caching, not the training.
+QUICK = {**tiny_train.RECIPE, "steps": 2, "batch": 1, "length": 16}
+
+
+def test_demo_model_is_trained_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
+    monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
     path = tiny.demo_model_dir()
     assert path == tmp_path / "demo-model"
     stamp = (path / "model.safetensors").stat().st_mtime_ns
@@ -183,8 +267,45 @@ def test_demo_model_is_created_once(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["demo-model"]
 
 
-def test_demo_model_is_rebuilt_when_its_config_is_stale(tmp_path):
+def test_demo_model_is_retrained_when_its_config_or_recipe_is_stale(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
     path = tiny.make_model_dir(tmp_path / "demo", "llama")
     assert tiny.demo_model_dir(path) == path
     config = json.loads((path / "config.json").read_text())
-    assert config == tiny.model_config(tiny.DEMO_FAMILY, **tiny.DEMO_OVERRIDES)
+    assert config == tiny_train.CONFIG
+    monkeypatch.setattr(tiny_train, "RECIPE", {**QUICK, "seed": 1})
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert tiny.demo_model_dir(path) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns != stamp
+
+
+def test_training_gradients_are_mlx_lm_llamas(load_tiny):
+    """The numpy backward pass the demo model is trained with gives the
+    gradients ``mx.grad`` takes through mlx-lm's own llama."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = {**tiny_train.CONFIG, "vocab_size": 50, "sliding_window": 5}
+    rng = np.random.default_rng(1)
+    params = tiny_train.init_params(config, rng)
+    inputs, targets = rng.integers(0, 50, (2, 12)), rng.integers(0, 50, (2, 12))
+    loss, grads = tiny_train.loss_and_grads(dict(params), config, inputs, targets)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.load_weights([(k, mx.array(v)) for k, v in params.items()])
+
+    def mlx_loss(model, x, y):
+        return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+    ref, ref_grads = nn.value_and_grad(model, mlx_loss)(
+        model, mx.array(inputs), mx.array(targets)
+    )
+    assert abs(loss - ref.item()) < 1e-5
+    ref_grads = dict(tree_flatten(ref_grads))
+    assert ref_grads.keys() == grads.keys()
+    for k, g in grads.items():
+        assert np.allclose(np.array(ref_grads[k]), g, rtol=1e-3, atol=1e-6), k

@@ -84,10 +84,10 @@ def test_changed_layers_are_warned_once(patched, load_tiny):
             make_prompt_cache(model, max_kv_size=48)
         make_prompt_cache(model, max_kv_size=40)
     assert [str(w.message) for w in record] == [
-        "max_kv_size=48 bounds 4 of 4 cache layers of llama: "
+        "mlx_lm_patched: max_kv_size=48 bounds 4 of 4 cache layers of llama: "
         "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(48, keep=0); "
         "layers 1, 3: KVCache -> RotatingKVCache(48, keep=4)",
-        "max_kv_size=40 bounds 4 of 4 cache layers of llama: "
+        "mlx_lm_patched: max_kv_size=40 bounds 4 of 4 cache layers of llama: "
         "layers 0, 2: RotatingKVCache(64) -> RotatingKVCache(40, keep=0); "
         "layers 1, 3: KVCache -> RotatingKVCache(40, keep=4)",
     ]
@@ -156,7 +156,10 @@ def test_generate_command_runs_with_max_kv_size(make_tiny_dir):
 def test_generate_command_rejects_max_kv_size_below_1_in_one_line(make_tiny_dir, value):
     out = generate_front(make_tiny_dir("llama"), "--max-kv-size", value)
     assert out.returncode != 0
-    message = f"error: max_kv_size must be >= 1 (tokens a layer), got {value}"
+    message = (
+        "mlx_lm_patched.generate: error: "
+        f"max_kv_size must be >= 1 (tokens a layer), got {value}"
+    )
     assert out.stderr.strip().splitlines() == [message]
 
 

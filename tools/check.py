@@ -6,6 +6,7 @@ does upstream's own test suite pass on the patched source (no worse than on
 the pristine sdist; each test a patch adds passing with it and the
 patches before it, failing without it)."""
 
+import shutil
 import tempfile
 import textwrap
 import types
@@ -171,5 +172,8 @@ def check_patches(
         problems += added_tests_alone(series, patches, runs)
         added = sum(len(added_tests(p)) for p in patches)
         log(f"each of the {added} tests the patches add: run without and with it")
-        log(f"logs: {runs}")
+        if problems:
+            log(f"logs: {runs}")
+        else:  # nothing to look into: leave nothing behind in /tmp
+            shutil.rmtree(runs, ignore_errors=True)
     return problems

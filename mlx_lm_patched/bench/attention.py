@@ -30,6 +30,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
+from tqdm import tqdm
 
 import mlx_lm_patched
 from mlx_lm_patched import bounded_attention, quantized_attention
@@ -118,7 +119,7 @@ def one_shape(args, D, dtype):
             )
     result = {"path": base.attention_path(q, k, v, mask)}
     outs = {}
-    for name, fn in roads.items():
+    for name, fn in tqdm(roads.items(), f"head dim {D}", unit="road", leave=False):
         result[name], outs[name] = measure(fn, args.reps)
     ref = outs["upstream"]
     for name, out in outs.items():

@@ -27,11 +27,15 @@ import mlx.core as mx
 # Query rows (query heads of a KV head times queries) a block keeps at once.
 ROWS = 4
 # Longest query block the kernel takes; longer ones go through fused
-# attention over dequantized keys.
-MAX_QUERIES = 1
+# attention over dequantized keys. On an H100 (32 query heads over 8, head
+# dim 128, 8 or 4 bits) the kernel took 0.27 ms a layer for 4 queries over
+# 32k keys against 0.51 / 0.38 that way, 0.50 for 8 against 0.52 / 0.38.
+MAX_QUERIES = 4
 # Blocks to aim for in the first kernel: enough to fill an H100 or H200.
 TARGET_BLOCKS = 1024
 MIN_KEYS_PER_SPLIT = 64
+# Keys a group of lanes loads before using them (loads in flight).
+KEYS_PER_ITER = 2
 
 _HAS_CUDA = mx.cuda.is_available()
 
@@ -266,6 +270,7 @@ def _kernel(name):
             input_names=["o_part", "m_part", "l_part"],
             output_names=["out"],
             source=_REDUCE,
+            header=_HEADER,
         )
     return _kernels[name]
 
@@ -330,7 +335,7 @@ def quantized_decode_attention(
         ("MASK", kind),
         ("CAUSAL", causal),
         ("TPK", 1 << (width // 8 - 1).bit_length()),
-        ("KT", 2),
+        ("KT", KEYS_PER_ITER),
     ]
     o_part, m_part, l_part = _kernel("partial")(
         inputs=[queries, *q_keys, *q_values, mask, _constant(scale, mx.float32)],

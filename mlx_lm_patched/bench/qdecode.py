@@ -37,6 +37,7 @@ import time
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
 from mlx_lm_patched import quantized_decode_kernel as qdk
@@ -195,15 +196,18 @@ def attention(args):
                 old_road(q, k, v, 0.088, None, 64, bits) for k, v in caches
             ]  # noqa: E731
             res[f"q{bits}_old"] = 1e3 * _time(old) / layers
-            default = qdk.TARGET_BLOCKS
-            for blocks in (256, 512, 1024, 2048):
-                qdk.TARGET_BLOCKS = blocks
-                new = lambda: [  # noqa: E731
-                    qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
-                    for k, v in caches
-                ]
-                res[f"q{bits}_kernel_blocks{blocks}"] = 1e3 * _time(new) / layers
-            qdk.TARGET_BLOCKS = default
+            default = qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER
+            for kt in (2, 4, 8):
+                for blocks in (256, 512, 1024):
+                    qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = blocks, kt
+                    new = lambda: [  # noqa: E731
+                        qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
+                        for k, v in caches
+                    ]
+                    res[f"q{bits}_kernel_kt{kt}_blocks{blocks}"] = (
+                        1e3 * _time(new) / layers
+                    )
+            qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = default
             for L in (2, 4, 8):
                 qL = mx.random.normal((1, 32, L, 128)).astype(mx.bfloat16)
                 new = lambda: [  # noqa: E731
@@ -223,9 +227,23 @@ def attention(args):
     return out
 
 
+def _fastest(timings):
+    """The kernel's (keys per iteration, target blocks) of least total time
+    over the lengths and bits measured."""
+    total = {}
+    for res in timings.values():
+        for name, ms in res.items():
+            if "_kt" in name:
+                kt, blocks = name.split("_kt")[1].split("_blocks")
+                key = (int(kt), int(blocks))
+                total[key] = total.get(key, 0.0) + ms
+    return min(total, key=total.get)
+
+
 def run_side(args):
     """One side, in this process: each prompt once to warm up, once measured."""
     kv_bits, _ = SIDES[args.side]
+    qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = args.blocks, args.kt
     mx.random.seed(0)  # every side's process, the same weights
     model = build_model(args)
     _fresh()
@@ -237,9 +255,11 @@ def run_side(args):
             _fresh()
             mx.reset_peak_memory()
             tic = time.perf_counter()
+            cache = make_prompt_cache(model)
             gen = generate_step(
                 prompt,
                 model,
+                prompt_cache=cache,
                 max_tokens=args.decode if measured else 8,
                 sampler=lambda x: mx.argmax(x, axis=-1),
                 kv_bits=kv_bits,
@@ -254,7 +274,19 @@ def run_side(args):
             tokens += [t for t, _ in gen]
             decode_s = time.perf_counter() - tic
             del gen
+        # One more step by hand: the host's time to build it, then the whole.
+        host, step = [], []
+        for _ in range(10):
+            mx.synchronize()
+            tic = time.perf_counter()
+            logits = model(mx.array([[tokens[-1]]]), cache=cache)
+            host.append(time.perf_counter() - tic)
+            mx.eval(logits)
+            step.append(time.perf_counter() - tic)
+        del cache, logits
         result[str(n)] = {
+            "step_host_ms": round(1e3 * float(np.median(host)), 3),
+            "step_synced_ms": round(1e3 * float(np.median(step)), 3),
             "prefill_s": round(prefill_s, 4),
             "prefill_peak": prefill_peak,
             "decode_tok_s": round((len(tokens) - 1) / decode_s, 2),
@@ -275,6 +307,7 @@ def e2e(args):
         argv = [sys.executable, "-m", __name__, "--side", side]
         argv += ["--prompts", ",".join(map(str, args.prompts))]
         argv += ["--decode", str(args.decode), "--chunk", str(args.chunk)]
+        argv += ["--blocks", str(args.blocks), "--kt", str(args.kt)]
         for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
             argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         done = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -349,6 +382,13 @@ def build_parser():
     p.add_argument("--prompts", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=qdk.TARGET_BLOCKS)
+    p.add_argument("--kt", type=int, default=qdk.KEYS_PER_ITER)
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="the e2e sides take the kernel settings fastest in 'attention'",
+    )
     p.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's")
     p.add_argument("--out", help="also write the JSON to this file")
     return p
@@ -365,6 +405,11 @@ def main(argv=None):
     parts = {"check": check, "attention": attention, "e2e": e2e}
     for name in args.parts:
         result[name] = parts[name](args)
+        if name == "attention" and args.tune:
+            args.kt, args.blocks = _fastest(result[name])
+            result["tuned"] = {"kt": args.kt, "blocks": args.blocks}
+            qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = args.blocks, args.kt
+            result["check_tuned"] = check(args)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

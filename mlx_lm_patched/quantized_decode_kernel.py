@@ -34,8 +34,10 @@ MAX_QUERIES = 4
 # Blocks to aim for in the first kernel: enough to fill an H100 or H200.
 TARGET_BLOCKS = 1024
 MIN_KEYS_PER_SPLIT = 64
-# Keys a group of lanes loads before using them (loads in flight).
+# Keys a group of lanes loads before using them (loads in flight), and
+# whether it loads the next ones before using these.
 KEYS_PER_ITER = 2
+PREFETCH = False
 
 _HAS_CUDA = mx.cuda.is_available()
 
@@ -111,23 +113,42 @@ _PARTIAL = """
   const auto* vs_p = vs + b * vs_strides[0] + kvh * vs_strides[1] + g * vs_strides[3];
   const auto* vb_p = vb + b * vb_strides[0] + kvh * vb_strides[1] + g * vb_strides[3];
 
-  for (int base = k_begin; base < k_end; base += NG * KT) {
-    uint32_t kwv[KT][WPT], vwv[KT][WPT];
-    float ksv[KT], kbv[KT], vsv[KT], vbv[KT];
+  // A tile: KT keys and values of this group's lanes, loaded (with PF) an
+  // iteration ahead of their use.
+  struct Tile {
+    uint32_t kw[KT][WPT], vw[KT][WPT];
+    float ks[KT], kb[KT], vs[KT], vb[KT];
+  };
+  auto load = [&](Tile& t, int base) {
 #pragma unroll
     for (int u = 0; u < KT; u++) {
       const int k = base + group * KT + u;
       const bool ok = active && k < k_end;
 #pragma unroll
       for (int j = 0; j < WPT; j++) {
-        kwv[u][j] = ok ? kw_p[k * kw_strides[2] + j * kw_strides[3]] : 0u;
-        vwv[u][j] = ok ? vw_p[k * vw_strides[2] + j * vw_strides[3]] : 0u;
+        t.kw[u][j] = ok ? kw_p[k * kw_strides[2] + j * kw_strides[3]] : 0u;
+        t.vw[u][j] = ok ? vw_p[k * vw_strides[2] + j * vw_strides[3]] : 0u;
       }
-      ksv[u] = ok ? float(ks_p[k * ks_strides[2]]) : 0.f;
-      kbv[u] = ok ? float(kb_p[k * kb_strides[2]]) : 0.f;
-      vsv[u] = ok ? float(vs_p[k * vs_strides[2]]) : 0.f;
-      vbv[u] = ok ? float(vb_p[k * vb_strides[2]]) : 0.f;
+      t.ks[u] = ok ? float(ks_p[k * ks_strides[2]]) : 0.f;
+      t.kb[u] = ok ? float(kb_p[k * kb_strides[2]]) : 0.f;
+      t.vs[u] = ok ? float(vs_p[k * vs_strides[2]]) : 0.f;
+      t.vb[u] = ok ? float(vb_p[k * vb_strides[2]]) : 0.f;
     }
+  };
+  Tile cur, nxt;
+  if constexpr (PF) load(cur, k_begin);
+  for (int base = k_begin; base < k_end; base += NG * KT) {
+    if constexpr (PF) {
+      if (base + NG * KT < k_end) load(nxt, base + NG * KT);
+    } else {
+      load(cur, base);
+    }
+    const auto& kwv = cur.kw;
+    const auto& vwv = cur.vw;
+    const auto& ksv = cur.ks;
+    const auto& kbv = cur.kb;
+    const auto& vsv = cur.vs;
+    const auto& vbv = cur.vb;
     float s[KT][RC];
 #pragma unroll
     for (int u = 0; u < KT; u++) {
@@ -191,6 +212,7 @@ _PARTIAL = """
         for (int i = 0; i < 8; i++) acc[r][i] += ps * w[i];
       }
     }
+    if constexpr (PF) cur = nxt;
   }
 
   // Merge the block's groups: max, then the rescaled sums and outputs.
@@ -238,8 +260,10 @@ _REDUCE = """
   const int n_splits = m_part_shape[2];
   const size_t part = (size_t)(b * (gridDim.y / R) + kvh) * n_splits * R + row;
   float M = LOWEST;
+#pragma unroll 8
   for (int s = 0; s < n_splits; s++) M = fmaxf(M, m_part[part + s * R]);
   float S = 0.f, O = 0.f;
+#pragma unroll 8
   for (int s = 0; s < n_splits; s++) {
     const float f = __expf(m_part[part + s * R] - M);
     S += l_part[part + s * R] * f;
@@ -336,6 +360,7 @@ def quantized_decode_attention(
         ("CAUSAL", causal),
         ("TPK", 1 << (width // 8 - 1).bit_length()),
         ("KT", KEYS_PER_ITER),
+        ("PF", PREFETCH),
     ]
     o_part, m_part, l_part = _kernel("partial")(
         inputs=[queries, *q_keys, *q_values, mask, _constant(scale, mx.float32)],

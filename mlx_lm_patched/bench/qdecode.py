@@ -196,18 +196,17 @@ def attention(args):
                 old_road(q, k, v, 0.088, None, 64, bits) for k, v in caches
             ]  # noqa: E731
             res[f"q{bits}_old"] = 1e3 * _time(old) / layers
-            default = qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER
-            for kt in (2, 4, 8):
-                for blocks in (256, 512, 1024):
-                    qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = blocks, kt
-                    new = lambda: [  # noqa: E731
-                        qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
-                        for k, v in caches
-                    ]
-                    res[f"q{bits}_kernel_kt{kt}_blocks{blocks}"] = (
-                        1e3 * _time(new) / layers
-                    )
-            qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = default
+            default = _settings()
+            for kt, blocks, pf in VARIANTS:
+                _settings(kt, blocks, pf)
+                new = lambda: [  # noqa: E731
+                    qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
+                    for k, v in caches
+                ]
+                res[f"q{bits}_kernel_{kt}_{blocks}_{int(pf)}"] = (
+                    1e3 * _time(new) / layers
+                )
+            _settings(*default)
             for L in (2, 4, 8):
                 qL = mx.random.normal((1, 32, L, 128)).astype(mx.bfloat16)
                 new = lambda: [  # noqa: E731
@@ -227,23 +226,97 @@ def attention(args):
     return out
 
 
+# The kernel's settings tried: keys per iteration, target blocks, prefetch.
+VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (128, 256, 512) for pf in (0, 1)]
+
+
+def _settings(kt=None, blocks=None, pf=None):
+    """Set the kernel's settings (those given); return them as they were."""
+    was = qdk.KEYS_PER_ITER, qdk.TARGET_BLOCKS, qdk.PREFETCH
+    if kt is not None:
+        qdk.KEYS_PER_ITER, qdk.TARGET_BLOCKS, qdk.PREFETCH = kt, blocks, bool(pf)
+    return was
+
+
 def _fastest(timings):
-    """The kernel's (keys per iteration, target blocks) of least total time
-    over the lengths and bits measured."""
+    """The kernel's settings of least total time over the lengths and bits
+    measured."""
     total = {}
     for res in timings.values():
         for name, ms in res.items():
-            if "_kt" in name:
-                kt, blocks = name.split("_kt")[1].split("_blocks")
-                key = (int(kt), int(blocks))
+            if "_kernel_" in name and name.count("_") == 4:
+                key = tuple(int(x) for x in name.split("_")[-3:])
                 total[key] = total.get(key, 0.0) + ms
     return min(total, key=total.get)
+
+
+def layer_steps(args):
+    """A decode step's caches and attention alone: 32 layers' update and
+    attention over ``kL`` tokens (one new token a layer), ms a step, each
+    step evaluated (``synced``) or scheduled while the last runs
+    (``pipelined``, as ``generate_step``); ``update`` leaves attention out."""
+    from mlx_lm.models import base
+    from mlx_lm.models import cache as cache_module
+
+    out = {}
+    for kL in sorted({args.prompts[0], args.prompts[-1]}):
+        for side, bits in (("bf16", None), ("q8", 8), ("q4", 4)):
+            res = {}
+            for what in ("update", "attention"):
+                if bits is None:
+                    caches = [cache_module.KVCache() for _ in range(args.layers)]
+                else:
+                    caches = [
+                        cache_module.QuantizedKVCache(group_size=64, bits=bits)
+                        for _ in range(args.layers)
+                    ]
+                for c in caches:
+                    kv = mx.random.normal((2, 1, 8, kL, 128)).astype(mx.bfloat16)
+                    c.update_and_fetch(kv[0], kv[1])
+                    mx.eval(c.state)
+                new = mx.random.normal((2, 1, 8, 1, 128)).astype(mx.bfloat16)
+                q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
+                mx.eval(new, q)
+
+                def step():
+                    outs = []
+                    for c in caches:
+                        k, v = c.update_and_fetch(new[0], new[1])
+                        if what == "update":
+                            outs.append((k, v))
+                        else:
+                            outs.append(
+                                base.scaled_dot_product_attention(
+                                    q, k, v, c, scale=0.088, mask=None
+                                )
+                            )
+                    return outs
+
+                synced = _time(step, 20)
+                mx.synchronize()
+                prev = step()
+                mx.async_eval(prev)
+                tic = time.perf_counter()
+                for _ in range(20):
+                    nxt = step()
+                    mx.async_eval(nxt)
+                    mx.eval(prev)
+                    prev = nxt
+                mx.eval(prev)
+                pipelined = (time.perf_counter() - tic) / 20
+                res[f"{what}_synced_ms"] = round(1e3 * synced, 3)
+                res[f"{what}_pipelined_ms"] = round(1e3 * pipelined, 3)
+                del caches, prev, nxt
+                _fresh()
+            out[f"{kL}_{side}"] = res
+            print(f"[qdecode] steps {kL} {side} {res}", file=sys.stderr, flush=True)
+    return out
 
 
 def run_side(args):
     """One side, in this process: each prompt once to warm up, once measured."""
     kv_bits, _ = SIDES[args.side]
-    qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = args.blocks, args.kt
+    _settings(args.kt, args.blocks, args.pf)
     mx.random.seed(0)  # every side's process, the same weights
     model = build_model(args)
     _fresh()
@@ -270,9 +343,12 @@ def run_side(args):
             tokens = [next(gen)[0]]
             prefill_s = time.perf_counter() - tic
             prefill_peak = _peak(weights)
-            tic = time.perf_counter()
-            tokens += [t for t, _ in gen]
-            decode_s = time.perf_counter() - tic
+            steps, tic = [], time.perf_counter()
+            for t, _ in gen:
+                tokens.append(t)
+                steps.append(time.perf_counter() - tic)
+                tic = time.perf_counter()
+            decode_s = sum(steps)
             del gen
         # One more step by hand: the host's time to build it, then the whole.
         host, step = [], []
@@ -290,6 +366,7 @@ def run_side(args):
             "prefill_s": round(prefill_s, 4),
             "prefill_peak": prefill_peak,
             "decode_tok_s": round((len(tokens) - 1) / decode_s, 2),
+            "decode_tok_s_median_step": round(1 / float(np.median(steps)), 2),
             "tokens": tokens,
         }
         print(
@@ -308,6 +385,7 @@ def e2e(args):
         argv += ["--prompts", ",".join(map(str, args.prompts))]
         argv += ["--decode", str(args.decode), "--chunk", str(args.chunk)]
         argv += ["--blocks", str(args.blocks), "--kt", str(args.kt)]
+        argv += ["--pf", str(int(args.pf))]
         for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab"):
             argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         done = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -384,6 +462,7 @@ def build_parser():
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--blocks", type=int, default=qdk.TARGET_BLOCKS)
     p.add_argument("--kt", type=int, default=qdk.KEYS_PER_ITER)
+    p.add_argument("--pf", type=int, default=int(qdk.PREFETCH))
     p.add_argument(
         "--tune",
         action="store_true",
@@ -402,13 +481,18 @@ def main(argv=None):
         return
     result = {**header("qdecode", [p.name for p in mlx_lm_patched.PATCHES])}
     result["config"] = vars(args)
-    parts = {"check": check, "attention": attention, "e2e": e2e}
+    parts = {
+        "check": check,
+        "attention": attention,
+        "steps": layer_steps,
+        "e2e": e2e,
+    }
     for name in args.parts:
         result[name] = parts[name](args)
         if name == "attention" and args.tune:
-            args.kt, args.blocks = _fastest(result[name])
-            result["tuned"] = {"kt": args.kt, "blocks": args.blocks}
-            qdk.TARGET_BLOCKS, qdk.KEYS_PER_ITER = args.blocks, args.kt
+            args.kt, args.blocks, args.pf = _fastest(result[name])
+            result["tuned"] = {"kt": args.kt, "blocks": args.blocks, "pf": args.pf}
+            _settings(args.kt, args.blocks, args.pf)
             result["check_tuned"] = check(args)
         if args.out:
             with open(args.out, "w") as f:

@@ -160,7 +160,7 @@ def check(args):
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows), "worst_rel": worst}
 
 
-def _time(fn, iters=20):
+def _time(fn, iters=40):
     mx.eval(fn())
     mx.synchronize()
     times = []
@@ -170,6 +170,23 @@ def _time(fn, iters=20):
         mx.synchronize()
         times.append(time.perf_counter() - tic)
     return float(np.median(times))
+
+
+def _host_and_eval(fn, iters=20):
+    """Median ms to build ``fn``'s graph (the host alone), then to evaluate
+    the built graph."""
+    host, run = [], []
+    mx.eval(fn())
+    for _ in range(iters):
+        mx.synchronize()
+        tic = time.perf_counter()
+        outs = fn()
+        toc = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        host.append(toc - tic)
+        run.append(time.perf_counter() - toc)
+    return 1e3 * float(np.median(host)), 1e3 * float(np.median(run))
 
 
 def attention(args):
@@ -188,6 +205,8 @@ def attention(args):
             for k, v in bf16
         ]
         res["bf16_sdpa"] = 1e3 * _time(sdpa) / layers
+        host, run = _host_and_eval(sdpa)
+        res["bf16_sdpa_host"], res["bf16_sdpa_eval"] = host / layers, run / layers
         del bf16
         for bits in (8, 4):
             caches = [_cache(rng, 1, 8, kL, 128, 64, bits) for _ in range(layers)]
@@ -196,6 +215,13 @@ def attention(args):
                 old_road(q, k, v, 0.088, None, 64, bits) for k, v in caches
             ]  # noqa: E731
             res[f"q{bits}_old"] = 1e3 * _time(old) / layers
+            kernel = lambda: [  # noqa: E731
+                qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
+                for k, v in caches
+            ]
+            host, run = _host_and_eval(kernel)
+            res[f"q{bits}_kernel_host"] = host / layers
+            res[f"q{bits}_kernel_eval"] = run / layers
             default = _settings()
             for kt, blocks, pf in VARIANTS:
                 _settings(kt, blocks, pf)
@@ -227,7 +253,7 @@ def attention(args):
 
 
 # The kernel's settings tried: keys per iteration, target blocks, prefetch.
-VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (128, 256, 512) for pf in (0, 1)]
+VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (128, 256) for pf in (0, 1)]
 
 
 def _settings(kt=None, blocks=None, pf=None):

@@ -386,7 +386,24 @@ def run_side(args):
             mx.eval(logits)
             step.append(time.perf_counter() - tic)
         del cache, logits
-        result[str(n)] = {
+        result[str(n)] = {}
+        if args.side.endswith("_old"):  # how close the old road's picks were
+            gen = generate_step(
+                prompt,
+                model,
+                max_tokens=args.decode,
+                sampler=lambda x: mx.argmax(x, axis=-1),
+                kv_bits=kv_bits,
+                kv_group_size=64,
+                quantized_kv_start=0,
+                prefill_step_size=args.chunk,
+            )
+            margins = []
+            for _, logprobs in gen:
+                top = mx.topk(logprobs, 2)
+                margins.append(round(abs(top[0] - top[1]).item(), 5))
+            result[str(n)]["top2_margins"] = margins
+        result[str(n)] |= {
             "step_host_ms": round(1e3 * float(np.median(host)), 3),
             "step_synced_ms": round(1e3 * float(np.median(step)), 3),
             "prefill_s": round(prefill_s, 4),
@@ -451,6 +468,14 @@ def e2e(args):
                 )
                 ratios[f"{s}_tokens_equal_old_road"] = same
                 ratios[f"{s}_first_differing_token"] = first
+                if first is not None and "top2_margins" in old:
+                    # The old road's top-2 log-probability gap where they part.
+                    ratios[f"{s}_old_road_top2_margin_there"] = old["top2_margins"][
+                        first
+                    ]
+                    ratios["old_road_top2_margin_median"] = float(
+                        np.median(old["top2_margins"])
+                    )
                 bound = 0.9 if int(n) < 16000 else 1.0
                 targets[s] = {
                     f"decode_ge_{bound}x_bf16": ratios[f"{s}_over_bf16_decode_tok_s"]
@@ -461,6 +486,7 @@ def e2e(args):
                 }
         for r in row.values():
             r.pop("tokens", None)
+            r.pop("top2_margins", None)
         out[n] = {"sides": row, "ratios": ratios, "targets": targets}
     return out
 

@@ -189,6 +189,19 @@ def _host_and_eval(fn, iters=20):
     return 1e3 * float(np.median(host)), 1e3 * float(np.median(run))
 
 
+def _chained(attend, q, caches):
+    """32 layers' attention, each layer's queries the last one's output (as
+    in a model, one layer's kernels run after the last one's)."""
+
+    def run():
+        x = q
+        for k, v in caches:
+            x = attend(x, k, v)
+        return [x]
+
+    return run
+
+
 def attention(args):
     rng = np.random.default_rng(1)
     out, layers = {}, 32
@@ -200,51 +213,41 @@ def attention(args):
         ]
         q = mx.random.normal((1, 32, 1, 128)).astype(mx.bfloat16)
         mx.eval(bf16, q)
-        sdpa = lambda: [  # noqa: E731
-            mx.fast.scaled_dot_product_attention(q, k, v, scale=0.088, mask=None)
-            for k, v in bf16
-        ]
-        res["bf16_sdpa"] = 1e3 * _time(sdpa) / layers
-        host, run = _host_and_eval(sdpa)
+
+        def sdpa(x, k, v, mask=None):
+            return mx.fast.scaled_dot_product_attention(x, k, v, scale=0.088, mask=mask)
+
+        res["bf16_sdpa"] = 1e3 * _time(_chained(sdpa, q, bf16)) / layers
+        host, run = _host_and_eval(_chained(sdpa, q, bf16))
         res["bf16_sdpa_host"], res["bf16_sdpa_eval"] = host / layers, run / layers
         del bf16
         for bits in (8, 4):
             caches = [_cache(rng, 1, 8, kL, 128, 64, bits) for _ in range(layers)]
             mx.eval(caches)
-            old = lambda: [
-                old_road(q, k, v, 0.088, None, 64, bits) for k, v in caches
-            ]  # noqa: E731
-            res[f"q{bits}_old"] = 1e3 * _time(old) / layers
-            kernel = lambda: [  # noqa: E731
-                qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
-                for k, v in caches
-            ]
-            host, run = _host_and_eval(kernel)
+
+            def old(x, k, v, mask=None):
+                return old_road(x, k, v, 0.088, mask, 64, bits)
+
+            def kernel(x, k, v, mask=None):
+                return qdk.quantized_decode_attention(x, k, v, 0.088, mask, 64, bits)
+
+            res[f"q{bits}_old"] = 1e3 * _time(_chained(old, q, caches)) / layers
+            host, run = _host_and_eval(_chained(kernel, q, caches))
             res[f"q{bits}_kernel_host"] = host / layers
             res[f"q{bits}_kernel_eval"] = run / layers
             default = _settings()
             for kt, blocks, pf in VARIANTS:
                 _settings(kt, blocks, pf)
-                new = lambda: [  # noqa: E731
-                    qdk.quantized_decode_attention(q, k, v, 0.088, None, 64, bits)
-                    for k, v in caches
-                ]
-                res[f"q{bits}_kernel_{kt}_{blocks}_{int(pf)}"] = (
-                    1e3 * _time(new) / layers
-                )
+                ms = 1e3 * _time(_chained(kernel, q, caches)) / layers
+                res[f"q{bits}_kernel_{kt}_{blocks}_{int(pf)}"] = ms
             _settings(*default)
             for L in (2, 4, 8):
                 qL = mx.random.normal((1, 32, L, 128)).astype(mx.bfloat16)
-                new = lambda: [  # noqa: E731
-                    qdk.quantized_decode_attention(qL, k, v, 0.088, "causal", 64, bits)
-                    for k, v in caches
-                ]
-                res[f"q{bits}_kernel_L{L}"] = 1e3 * _time(new) / layers
                 m = mx.arange(kL - L, kL)[:, None] >= mx.arange(kL)[None]
-                old = lambda: [
-                    old_road(qL, k, v, 0.088, m, 64, bits) for k, v in caches
-                ]  # noqa: E731
-                res[f"q{bits}_old_L{L}"] = 1e3 * _time(old) / layers
+                run = _chained(lambda x, k, v: kernel(x, k, v, "causal"), qL, caches)
+                res[f"q{bits}_kernel_L{L}"] = 1e3 * _time(run) / layers
+                run = _chained(lambda x, k, v: old(x, k, v, m), qL, caches)
+                res[f"q{bits}_old_L{L}"] = 1e3 * _time(run) / layers
             del caches
             _fresh()
         out[str(kL)] = {k: round(v, 4) for k, v in res.items()}
@@ -253,7 +256,7 @@ def attention(args):
 
 
 # The kernel's settings tried: keys per iteration, target blocks, prefetch.
-VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (128, 256) for pf in (0, 1)]
+VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (256, 512, 1024) for pf in (0, 1)]
 
 
 def _settings(kt=None, blocks=None, pf=None):

@@ -256,7 +256,7 @@ def attention(args):
 
 
 # The kernel's settings tried: keys per iteration, target blocks, prefetch.
-VARIANTS = [(kt, n, pf) for kt in (2, 4) for n in (256, 512, 1024) for pf in (0, 1)]
+VARIANTS = [(4, 256, 1), (2, 256, 0), (4, 512, 1), (4, 128, 1)]
 
 
 def _settings(kt=None, blocks=None, pf=None):

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from ringref import fake_backend, random_kv, single_stream
 
 import mlx_lm_patched
-from mlx_lm_patched import quantized_decode_kernel as qdk
+from mlx_lm_patched import quantized_attention as qa
 from mlx_lm_patched import tiny
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
@@ -54,7 +54,7 @@ def test_split_softmax_over_packed_keys_equals_dequantized_attention(
     queries = mx.array(rng.standard_normal((1, 2 * n_repeats, 1, D), dtype=np.float32))
     want = dequantized_attention(queries, q_keys, q_values, 0.1, None, group_size, bits)
     for splits in (1, 3, 7):
-        got = qdk.decode_attention_reference(
+        got = qa.decode_attention_reference(
             queries, q_keys, q_values, 0.1, None, group_size, bits, splits
         )
         assert close(got, want), splits
@@ -78,7 +78,7 @@ def test_a_wrapped_ring_s_mask_comes_in_as_an_array(L, bits):
         assert isinstance(mask, mx.array) and mask.dtype == mx.bool_
         assert not mx.all(mask).item()
     want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, bits)
-    got = qdk.decode_attention_reference(
+    got = qa.decode_attention_reference(
         queries, q_keys, q_values, 0.1, mask, 64, bits, 5
     )
     assert close(got, want)
@@ -99,18 +99,18 @@ def test_a_padded_batch_s_mask_hides_each_row_s_padding(kind):
         mask = "causal"
     want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, 8)
     for splits in (1, 4, 9):  # 9: splits 0-4 all padding for row 1
-        got = qdk.decode_attention_reference(
+        got = qa.decode_attention_reference(
             queries, q_keys, q_values, 0.1, mask, 64, 8, splits
         )
         assert close(got, want), splits
 
 
 def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
-    assert qdk.decode_splits(1, 8, 32768) == qdk.TARGET_BLOCKS // 8
-    assert qdk.decode_splits(1, 8, 100) == 1
-    assert qdk.decode_splits(64, 8, 32768) == 1
-    n = qdk.decode_splits(1, 8, 1000)
-    assert n * qdk.MIN_KEYS_PER_SPLIT <= 1000
+    assert qa.decode_splits(1, 8, 32768) == base.DECODE_BLOCKS // 8
+    assert qa.decode_splits(1, 8, 100) == 1
+    assert qa.decode_splits(64, 8, 32768) == 1
+    n = qa.decode_splits(1, 8, 1000)
+    assert n * base.DECODE_MIN_KEYS <= 1000
 
 
 # Which calls reach the kernel.
@@ -119,19 +119,19 @@ def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
 def test_no_kernel_without_mlx_s_cuda_backend(monkeypatch):
     """A faked CUDA backend on a CPU build keeps the dequantizing road."""
     fake_backend(monkeypatch, "cuda")
-    monkeypatch.setattr(qdk, "_HAS_CUDA", False)
-    assert not qdk.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8)
+    monkeypatch.setattr(base, "_cuda_kernels", False)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8)
 
 
 def test_the_environment_can_keep_the_old_road(monkeypatch):
-    monkeypatch.setattr(qdk, "_HAS_CUDA", True)
+    monkeypatch.setattr(base, "_cuda_kernels", True)
     q = mx.ones((1, 8, 1, 64), mx.bfloat16)
-    assert qdk.use_decode_kernel(q, 8) and qdk.use_decode_kernel(q, 4)
-    assert not qdk.use_decode_kernel(q, 6)
-    assert not qdk.use_decode_kernel(q.astype(mx.float32), 8)
-    assert not qdk.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
+    assert qa.use_decode_kernel(q, 8) and qa.use_decode_kernel(q, 4)
+    assert not qa.use_decode_kernel(q, 6)
+    assert not qa.use_decode_kernel(q.astype(mx.float32), 8)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
     monkeypatch.setenv("MLX_LM_PATCHED_DECODE_KERNEL", "0")
-    assert not qdk.use_decode_kernel(q, 8)
+    assert not qa.use_decode_kernel(q, 8)
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])
@@ -151,15 +151,15 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
 
     def kernel(queries, q_keys, q_values, scale, mask, group_size, bits):
         calls.append(queries.shape[2])
-        return qdk.decode_attention_reference(
+        return qa.decode_attention_reference(
             queries, q_keys, q_values, scale, mask, group_size, bits, 3
         )
 
     fake_backend(monkeypatch, "cuda")
-    monkeypatch.setattr(qdk, "_HAS_CUDA", True)
+    monkeypatch.setattr(base, "_cuda_kernels", True)
     monkeypatch.setattr(base, "quantized_decode_attention", kernel)
     monkeypatch.setattr(
-        base, "use_decode_kernel", lambda q, bits: q.shape[2] <= qdk.MAX_QUERIES
+        base, "use_decode_kernel", lambda q, bits: q.shape[2] <= base.DECODE_MAX_QUERIES
     )
     quantized_matmul = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", None)  # CUDA's fails on a cache

@@ -37,10 +37,11 @@ import time
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
-from mlx_lm_patched import quantized_decode_kernel as qdk
+from mlx_lm_patched import quantized_attention as qa
 
 from . import emit, header, parse_args
 from .e2e import _fresh, _peak, build_model
@@ -126,11 +127,11 @@ def check(args):
             mask = (mx.arange(kL) >= pad) & causal
         elif kind == "causal":
             mask = "causal"
-        splits = qdk.decode_splits(B, n_kv, kL, -(-n_rep * L // qdk.ROWS))
-        out = qdk.quantized_decode_attention(
+        splits = qa.decode_splits(B, n_kv, kL, -(-n_rep * L // base.DECODE_ROWS))
+        out = qa.quantized_decode_attention(
             queries, q_keys, q_values, 0.088, mask, gs, bits
         )
-        ref = qdk.decode_attention_reference(
+        ref = qa.decode_attention_reference(
             queries, q_keys, q_values, 0.088, mask, gs, bits, splits
         )
         m = mask
@@ -229,7 +230,7 @@ def attention(args):
                 return old_road(x, k, v, 0.088, mask, 64, bits)
 
             def kernel(x, k, v, mask=None):
-                return qdk.quantized_decode_attention(x, k, v, 0.088, mask, 64, bits)
+                return qa.quantized_decode_attention(x, k, v, 0.088, mask, 64, bits)
 
             res[f"q{bits}_old"] = 1e3 * _time(_chained(old, q, caches)) / layers
             host, run = _host_and_eval(_chained(kernel, q, caches))
@@ -261,9 +262,10 @@ VARIANTS = [(4, 256, 1), (2, 256, 0), (4, 512, 1), (4, 128, 1)]
 
 def _settings(kt=None, blocks=None, pf=None):
     """Set the kernel's settings (those given); return them as they were."""
-    was = qdk.KEYS_PER_ITER, qdk.TARGET_BLOCKS, qdk.PREFETCH
+    was = base.DECODE_KEYS_PER_ITER, base.DECODE_BLOCKS, base.DECODE_PREFETCH
     if kt is not None:
-        qdk.KEYS_PER_ITER, qdk.TARGET_BLOCKS, qdk.PREFETCH = kt, blocks, bool(pf)
+        base.DECODE_KEYS_PER_ITER, base.DECODE_BLOCKS = kt, blocks
+        base.DECODE_PREFETCH = bool(pf)
     return was
 
 
@@ -284,7 +286,6 @@ def layer_steps(args):
     attention over ``kL`` tokens (one new token a layer), ms a step, each
     step evaluated (``synced``) or scheduled while the last runs
     (``pipelined``, as ``generate_step``); ``update`` leaves attention out."""
-    from mlx_lm.models import base
     from mlx_lm.models import cache as cache_module
 
     out = {}
@@ -515,9 +516,9 @@ def build_parser():
     p.add_argument("--prompts", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=qdk.TARGET_BLOCKS)
-    p.add_argument("--kt", type=int, default=qdk.KEYS_PER_ITER)
-    p.add_argument("--pf", type=int, default=int(qdk.PREFETCH))
+    p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)
+    p.add_argument("--kt", type=int, default=qa.DECODE_KEYS_PER_ITER)
+    p.add_argument("--pf", type=int, default=int(qa.DECODE_PREFETCH))
     p.add_argument(
         "--tune",
         action="store_true",

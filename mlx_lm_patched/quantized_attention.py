@@ -54,12 +54,14 @@ the cache pads it, to 96), boolean or additive mask arrays (a ring's sinks
 and wrap, a batch's padding) or "causal". ``decode_attention_reference`` is
 its arithmetic in ``mx`` ops, which tests check on CPU; ``python -m
 mlx_lm_patched.bench qdecode`` checks the kernel on a GPU. On an H100
-(Llama-8B shape, 16k / 32k tokens) 8-bit decode went from 0.46 / 0.36x the
-bfloat16 cache's tokens per second to 0.78 / 0.79x, 4 bits from 0.57 /
-0.43x to 0.61 / 0.74x, with the same greedy tokens over 256 steps; the
-kernel's attention still takes 1.6-1.9x the fused bfloat16 kernel's, and
-the quantized cache's update costs about 2 ms a step more than
-``KVCache``'s. ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps the old road.
+(Llama-8B shape, 4k / 16k / 32k tokens, 256 greedy steps) 8-bit decode
+went from 0.65 / 0.54 / 0.41x the bfloat16 cache's tokens per second to
+0.91 / 0.92 / 0.91x, 4 bits from 0.81 / 0.61 / 0.49x to 0.77 / 0.93 /
+0.99x, with the same greedy tokens at 16k and 32k (other runs on other
+H100s: 0.53-0.82x at 4k). The kernel's attention alone still takes
+1.3-1.6x the fused bfloat16 kernel's (0.12 against 0.077 ms a layer at
+32k), its host side 10x (0.025 against 0.003 ms), and the quantized
+cache's update costs about 2 ms a step more than ``KVCache``'s. ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps the old road.
 Prefill chunks keep the road above. Metal and CPU are untouched.
 """
 
@@ -197,10 +199,12 @@ def quantized_scaled_dot_product_attention(
 DECODE_ROWS = 4
 # Longest query block the kernel takes; longer ones go through fused
 # attention over dequantized keys. On an H100 (32 query heads over 8, head
-# dim 128, 8 or 4 bits) the kernel took 0.27 ms a layer for 4 queries over
-# 32k keys against 0.51 / 0.38 that way, 0.50 for 8 against 0.52 / 0.38.
-DECODE_MAX_QUERIES = 4
-# Blocks to aim for in the first kernel: enough to fill an H100 or H200.
+# dim 128, 32 layers each taking the last one's output) 8 queries over 4k /
+# 32k 8-bit keys took 0.14 / 0.59 ms a layer, 0.16 / 0.89 that way (4 bits:
+# 0.15 / 0.59 against 0.17 / 0.80); past 8 untried.
+DECODE_MAX_QUERIES = 8
+# Blocks to aim for in the first kernel (the fastest of 128 to 1024 on an
+# H100, 4 to 8 query heads over 8 KV heads: fewer did not fill it).
 DECODE_BLOCKS = 256
 DECODE_MIN_KEYS = 64
 # Keys a group of lanes loads before using them (loads in flight), and

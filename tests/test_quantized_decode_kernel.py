@@ -139,10 +139,11 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
     monkeypatch, kv_bits
 ):
     """On (faked) CUDA with the kernel standing in as its reference: every
-    decode step goes through it, no prefill chunk does, and greedy tokens
+    decode step and a short last prefill chunk go through it, no long chunk, and greedy tokens
     equal upstream's road (CPU, float32 llama: the real kernel takes half
     precision queries, here any)."""
     model = tiny.build_model(tiny.model_config("llama", head_dim=64))
+    # 199 tokens prefilled: chunks of 64, 64, 64 and 7 (a short block)
     prompt = mx.array(np.random.default_rng(0).integers(0, 512, 200))
     kw = dict(kv_bits=kv_bits, quantized_kv_start=0, prefill_step_size=64)
     want = single_stream(model, prompt, 20, **kw)[0]
@@ -168,8 +169,9 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
     finally:
         monkeypatch.setattr(mx, "quantized_matmul", quantized_matmul)
     assert got == want
-    assert calls and set(calls) == {1}
-    assert len(calls) % len(model.layers) == 0
+    n_layers = len(model.layers)
+    assert calls[:n_layers] == [7] * n_layers  # the short chunk
+    assert set(calls[n_layers:]) == {1} and len(calls) % n_layers == 0
 
 
 def test_reverting_the_patch_removes_the_kernel_from_base():

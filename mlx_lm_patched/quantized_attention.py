@@ -193,7 +193,8 @@ def quantized_scaled_dot_product_attention(
     return out
 
 
-# The decode kernel (CUDA): see quantized_decode_attention.
+# The decode kernel, CUDA only (``use_decode_kernel``): see
+# ``quantized_decode_attention``.
 
 # Query rows (query heads of a KV head times queries) a block keeps at once.
 DECODE_ROWS = 4
@@ -492,14 +493,16 @@ def decode_splits(B, n_kv_heads, kL, row_chunks=1):
 
 
 def use_decode_kernel(queries, bits) -> bool:
-    """Whether a call goes through the kernel: MLX's CUDA backend, a short
-    query block, 4 or 8 bits, half-precision queries. Setting
+    """Whether a call goes through the kernel: MLX's CUDA backend (never
+    Metal or CPU), a short query block, head dims up to 128, 4 or 8 bits,
+    half-precision queries. Setting
     ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps every call on fused attention
     over dequantized keys."""
     return (
         _cuda_kernels
         and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
         and queries.shape[2] <= DECODE_MAX_QUERIES
+        and queries.shape[3] <= 128
         and bits in (4, 8)
         and queries.dtype in (mx.bfloat16, mx.float16)
     )

@@ -130,6 +130,7 @@ def test_the_environment_can_keep_the_old_road(monkeypatch):
     assert not qa.use_decode_kernel(q, 6)
     assert not qa.use_decode_kernel(q.astype(mx.float32), 8)
     assert not qa.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 256), mx.bfloat16), 8)
     monkeypatch.setenv("MLX_LM_PATCHED_DECODE_KERNEL", "0")
     assert not qa.use_decode_kernel(q, 8)
 

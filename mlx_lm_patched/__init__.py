@@ -36,6 +36,7 @@ from . import (
     prompt_cache_store,
     quantized_attention,
     quantized_cache,
+    quantized_decode_kernel,
     quantized_ring,
     ring_trim_slack,
     rotating_prealloc,
@@ -80,6 +81,7 @@ PATCHES: List[_registry.Patch] = [
     prompt_cache_files.PATCH,  # cache.py: load_prompt_cache, _check_state
     negative_trim.PATCH,  # cache.py: KVCache & co. trim(n < 0) raises
     quantized_cache.PATCH,  # cache.py: QuantizedKVCache, KVCache.to_quantized
+    quantized_decode_kernel.PATCH,  # base.py: a CUDA decode kernel, packed cache
     quantized_attention.PATCH,  # base.py: quantized_scaled_dot_product_attention
     host_export.PATCH,  # cache.py: prompt_cache_to_host, HostPromptCache
     generate_kv_checks.PATCH,  # generate.py: --kv-bits checked up front

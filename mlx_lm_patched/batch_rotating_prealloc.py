@@ -47,9 +47,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _stored,
     )
 
-# The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``targets`` pastes it): ``_put``, ``_hold`` and ``_check_update``
-# are that module's (``rotating_prealloc``).
+# Written as it reads in mlx_lm/models/cache.py, and run there.
 
 
 class BatchRotatingKVCache:
@@ -92,11 +90,9 @@ class BatchRotatingKVCache:
 
     @property
     def left_padding(self):
-        # Columns dropped by decode steps past the ring are counted on the
-        # host (``_dropped``) and taken off when it is read (the mask reads
-        # layer 0's once a step): no subtraction built a layer and step, and
-        # no chain of them left lazy, one op a step, in the layers whose
-        # padding nobody reads.
+        # Columns dropped by decode steps past the ring are counted on the host
+        # and taken off when it is read (the mask reads layer 0's once a step):
+        # no subtraction a layer and step, none left lazy where nobody reads.
         if self._dropped:
             self._left_padding = self._left_padding - self._dropped
             self._dropped = 0
@@ -265,11 +261,10 @@ class BatchRotatingKVCache:
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
-        # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100,
-        # 4 prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB
-        # unpipelined, above the unbounded batch's 10.3; pipelined at 3.0,
-        # its first token as soon as the unbounded batch's (0.373 s against
-        # 0.372); evaluated every layer 2.1 GiB and 9% later.
+        # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100, 4
+        # prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB unpipelined
+        # (the unbounded batch: 10.3), pipelined at 3.0 in the unbounded batch's
+        # time (0.373 s against 0.372); evaluated every layer 2.1 GiB, 9% later.
         _pipeline((*seen, self.keys, self.values), S)
         if self._lengths is not None:
             self._reset_undo(self.slack)

@@ -19,6 +19,7 @@ MODULES = [
     "disk",
     "slack",
     "quality",
+    "qdecode",
 ]
 
 

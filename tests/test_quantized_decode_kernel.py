@@ -1,0 +1,180 @@
+"""The CUDA decode kernel's arithmetic, in plain ``mx`` ops on CPU: the split
+softmax over keys dequantized on the fly equals attention over the
+dequantized cache; and which calls reach the kernel. The kernel itself is
+checked on a GPU by ``python -m mlx_lm_patched.bench qdecode`` (its
+``check`` part)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base
+from mlx_lm.models.cache import RotatingKVCache
+from ringref import fake_backend, random_kv, single_stream
+
+import mlx_lm_patched
+from mlx_lm_patched import quantized_decode_kernel as qa
+from mlx_lm_patched import tiny
+
+pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
+
+
+def dequantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits):
+    """The old road: the cache dequantized in float32, then fused attention."""
+    D = queries.shape[-1]
+    keys, values = (
+        mx.dequantize(*x, group_size=group_size, bits=bits, dtype=mx.float32)[..., :D]
+        for x in (q_keys, q_values)
+    )
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask
+    )
+
+
+def quantized_cache(B, n_kv, kL, D, group_size, bits):
+    """Keys and values as ``QuantizedKVCache`` holds them: head dims no group
+    size divides zero-padded to a multiple of 32 (80 to 96)."""
+    width = (D + 31) // 32 * 32 if D % group_size else D
+    pad = [(0, 0)] * 3 + [(0, width - D)]
+    k, v = random_kv(B, n_kv, kL, D)
+    return [mx.quantize(mx.pad(x, pad), group_size, bits) for x in (k, v)]
+
+
+def close(a, b):
+    return a.shape == b.shape and mx.allclose(a, b, atol=2e-5, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("D, group_size", [(64, 64), (80, 32), (96, 32), (128, 128)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n_repeats", [1, 4, 8])
+def test_split_softmax_over_packed_keys_equals_dequantized_attention(
+    D, group_size, bits, n_repeats
+):
+    rng = np.random.default_rng(D + bits + n_repeats)
+    q_keys, q_values = quantized_cache(1, 2, 203, D, group_size, bits)
+    queries = mx.array(rng.standard_normal((1, 2 * n_repeats, 1, D), dtype=np.float32))
+    want = dequantized_attention(queries, q_keys, q_values, 0.1, None, group_size, bits)
+    for splits in (1, 3, 7):
+        got = qa.decode_attention_reference(
+            queries, q_keys, q_values, 0.1, None, group_size, bits, splits
+        )
+        assert close(got, want), splits
+
+
+@pytest.mark.parametrize("L", [1, 4])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_wrapped_ring_s_mask_comes_in_as_an_array(L, bits):
+    """A quantized ring past its size (sinks kept, the window wrapped): its
+    own mask, boolean, over its own slots."""
+    rng = np.random.default_rng(L)
+    ring = RotatingKVCache(max_size=64, keep=4).to_quantized(group_size=64, bits=bits)
+    for n in (50, 30, 7):  # past 64: wrapped
+        ring.update_and_fetch(*random_kv(1, 2, n, 64))
+    q_keys, q_values = ring.update_and_fetch(*random_kv(1, 2, L, 64))
+    mask = ring.make_mask(L, return_array=True) if L > 1 else None
+    if L == 1:  # a decode step: no mask, every slot visible
+        assert ring.make_mask(1) is None
+    queries = mx.array(rng.standard_normal((1, 8, L, 64), dtype=np.float32))
+    if L > 1:
+        assert isinstance(mask, mx.array) and mask.dtype == mx.bool_
+        assert not mx.all(mask).item()
+    want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, bits)
+    got = qa.decode_attention_reference(
+        queries, q_keys, q_values, 0.1, mask, 64, bits, 5
+    )
+    assert close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["boolean", "additive", "causal"])
+def test_a_padded_batch_s_mask_hides_each_row_s_padding(kind):
+    """Two rows left-padded by 0 and 150 tokens, 2 queries each: a split that
+    is all padding for a row adds nothing to that row."""
+    rng = np.random.default_rng(0)
+    q_keys, q_values = quantized_cache(2, 2, 240, 128, 64, 8)
+    queries = mx.array(rng.standard_normal((2, 8, 2, 128), dtype=np.float32))
+    causal = mx.arange(240) <= mx.arange(238, 240)[:, None]
+    mask = (mx.arange(240) >= mx.array([0, 150])[:, None, None, None]) & causal
+    if kind == "additive":
+        mask = mx.where(mask, 0.0, -1e9)
+    elif kind == "causal":
+        mask = "causal"
+    want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, 8)
+    for splits in (1, 4, 9):  # 9: splits 0-4 all padding for row 1
+        got = qa.decode_attention_reference(
+            queries, q_keys, q_values, 0.1, mask, 64, 8, splits
+        )
+        assert close(got, want), splits
+
+
+def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
+    assert qa.decode_splits(1, 8, 32768) == base.DECODE_BLOCKS // 8
+    assert qa.decode_splits(1, 8, 100) == 1
+    assert qa.decode_splits(64, 8, 32768) == 1
+    n = qa.decode_splits(1, 8, 1000)
+    assert n * base.DECODE_MIN_KEYS <= 1000
+
+
+# Which calls reach the kernel.
+
+
+def test_no_kernel_without_mlx_s_cuda_backend(monkeypatch):
+    """A faked CUDA backend on a CPU build keeps the dequantizing road."""
+    fake_backend(monkeypatch, "cuda")
+    monkeypatch.setattr(base, "_cuda_kernels", False)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8)
+
+
+def test_the_environment_can_keep_the_old_road(monkeypatch):
+    monkeypatch.setattr(base, "_cuda_kernels", True)
+    q = mx.ones((1, 8, 1, 64), mx.bfloat16)
+    assert qa.use_decode_kernel(q, 8) and qa.use_decode_kernel(q, 4)
+    assert not qa.use_decode_kernel(q, 6)
+    assert not qa.use_decode_kernel(q.astype(mx.float32), 8)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
+    assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 256), mx.bfloat16), 8)
+    monkeypatch.setenv("MLX_LM_PATCHED_DECODE_KERNEL", "0")
+    assert not qa.use_decode_kernel(q, 8)
+
+
+@pytest.mark.parametrize("kv_bits", [4, 8])
+def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
+    monkeypatch, kv_bits
+):
+    """On (faked) CUDA with the kernel standing in as its reference: every
+    decode step and a short last prefill chunk go through it, no long chunk, and greedy tokens
+    equal upstream's road (CPU, float32 llama: the real kernel takes half
+    precision queries, here any)."""
+    model = tiny.build_model(tiny.model_config("llama", head_dim=64))
+    # 199 tokens prefilled: chunks of 64, 64, 64 and 7 (a short block)
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, 200))
+    kw = dict(kv_bits=kv_bits, quantized_kv_start=0, prefill_step_size=64)
+    want = single_stream(model, prompt, 20, **kw)[0]
+
+    calls = []
+
+    def kernel(queries, q_keys, q_values, scale, mask, group_size, bits):
+        calls.append(queries.shape[2])
+        return qa.decode_attention_reference(
+            queries, q_keys, q_values, scale, mask, group_size, bits, 3
+        )
+
+    fake_backend(monkeypatch, "cuda")
+    monkeypatch.setattr(base, "_cuda_kernels", True)
+    monkeypatch.setattr(base, "quantized_decode_attention", kernel)
+    monkeypatch.setattr(
+        base, "use_decode_kernel", lambda q, bits: q.shape[2] <= base.DECODE_MAX_QUERIES
+    )
+    quantized_matmul = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", None)  # CUDA's fails on a cache
+    try:
+        got = single_stream(model, prompt, 20, **kw)[0]
+    finally:
+        monkeypatch.setattr(mx, "quantized_matmul", quantized_matmul)
+    assert got == want
+    n_layers = len(model.layers)
+    assert calls[:n_layers] == [7] * n_layers  # the short chunk
+    assert set(calls[n_layers:]) == {1} and len(calls) % n_layers == 0
+
+
+def test_reverting_the_patch_removes_the_kernel_from_base():
+    mlx_lm_patched.revert("quantized_attention")
+    assert not hasattr(base, "quantized_decode_attention")

@@ -203,5 +203,6 @@ def test_generate_refuses_a_cache_file_of_another_layout(make_tiny_dir, tmp_path
                    "--prompt", "more", "--max-tokens", 4)  # fmt: skip
         assert done.returncode == 1, done.stderr
         assert done.stderr.strip().splitlines() == [
-            f"error: {cache_file} does not fit the model {model}: {why}"
+            f"mlx_lm_patched.generate: error: {cache_file} does not fit the "
+            f"model {model}: {why}"
         ], done.stderr

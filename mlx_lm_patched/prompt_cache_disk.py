@@ -277,7 +277,7 @@ class DiskLRUPromptCache(LRUPromptCache):
     ``DiskPromptCache``) and reads from it where memory has less."""
 
     def __init__(
-        self, disk: DiskPromptCache, max_size: int = 10, max_bytes: int = 1 << 63
+        self, disk: "DiskPromptCache", max_size: int = 10, max_bytes: int = 1 << 63
     ):
         LRUPromptCache.__init__(self, max_size, max_bytes)
         self.disk = disk

@@ -176,5 +176,5 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
 
 
 def test_reverting_the_patch_removes_the_kernel_from_base():
-    mlx_lm_patched.revert("quantized_attention")
+    mlx_lm_patched.revert("quantized_decode_kernel")
     assert not hasattr(base, "quantized_decode_attention")

@@ -6,11 +6,15 @@ default. Each round sends the same ``--requests`` completions at once
 (distinct prompts of ``--words`` words; with ``--re-render``, rounds after
 the first change each prompt's last word, as a chat client re-renders an
 end) and times the round until every reply is in; the replies' cached
-tokens say what the prompt cache served. The default model is a tiny
+tokens say what the prompt cache served. ``--first-alone`` sends the first
+round one request at a time: prompts prefilled together (right padded)
+keep no evicted tokens, bfloat16 or quantized, so what they store can be
+reused exactly only. The default model is a tiny
 gemma3_text (sliding window 64, random weights): its rings wrap, so a hit
 that is not exact needs the ring's slack.
 
-    python -m mlx_lm_patched.bench rounds [--rounds 3] [--re-render] [--out f]
+    python -m mlx_lm_patched.bench rounds [--rounds 3] [--re-render]
+        [--first-alone] [--flags "--prompt-cache-size 64"] [--out f]
 """
 
 import argparse
@@ -79,8 +83,9 @@ def stop(proc):
             proc.wait(timeout=30)
 
 
-def one_round(port, texts, max_tokens, timeout):
-    """Every completion at once: wall seconds and each reply's usage."""
+def one_round(port, texts, max_tokens, timeout, alone=False):
+    """Every completion at once (``alone``: one after the other): wall
+    seconds and each reply's usage."""
     usages = [None] * len(texts)
 
     def ask(i):
@@ -91,6 +96,8 @@ def one_round(port, texts, max_tokens, timeout):
     tic = time.perf_counter()
     for t in threads:
         t.start()
+        if alone:
+            t.join()
     for t in threads:
         t.join()
     seconds = time.perf_counter() - tic
@@ -108,6 +115,11 @@ def main(argv=None):
     p.add_argument("--words", type=int, default=300, help="words a prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--re-render", action="store_true")
+    p.add_argument(
+        "--first-alone",
+        action="store_true",
+        help="send the first round's requests one at a time",
+    )
     p.add_argument("--flags", default="", help="more server flags")
     p.add_argument("--timeout", type=float, default=300, help="seconds a request")
     p.add_argument("--out")
@@ -128,8 +140,9 @@ def main(argv=None):
                         sent = texts
                         if args.re_render and r:
                             sent = [f"{t.rsplit(' ', 1)[0]} round{r}" for t in texts]
+                        alone = args.first_alone and not r
                         seconds, usages = one_round(
-                            port, sent, args.max_tokens, args.timeout
+                            port, sent, args.max_tokens, args.timeout, alone
                         )
                         cached = [
                             u.get("prompt_tokens_details", {}).get("cached_tokens", 0)

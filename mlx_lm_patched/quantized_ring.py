@@ -102,21 +102,16 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         )
         if undo_keys[0] is not None:
             self._undo_keys, self._undo_values = undo_keys, undo_values
-        ring = rings[0]
-        self.offset, self._idx, self._lo, self._hi = (
-            ring.offset,
-            ring._idx,
-            ring._lo,
-            ring._hi,
-        )
+        for name in ("offset", "_idx", "_lo", "_hi"):
+            setattr(self, name, getattr(rings[0], name))
         return out
 
     def _hold_parts(self, fetched):
         """``_hold`` on each part: with slack, the next tokens to leave the
         window are copied to the undo ring before they are overwritten."""
-        if not self.slack:
-            return fetched
-        offset = self.offset
+        offset, oldest = self.offset, self.offset - self.max_size + self.keep
+        if not self.slack or oldest < self.keep or self._hi > oldest:
+            return fetched  # ``_hold`` copies nothing (most decode steps)
         held = self._per_part(lambda r, k, v: _hold(r, (k, v), offset), *fetched)
         return tuple(tuple(p) for p in zip(*held))
 

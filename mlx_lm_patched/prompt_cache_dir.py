@@ -49,7 +49,8 @@ class PromptCacheDir:
     # Seconds an unlocked temporary file is left to its writer.
     temp_grace = 10.0
 
-    # An entry's data is read in threads, this many bytes a read at most.
+    # An entry's data is read in threads, this many bytes (a multiple of 8)
+    # a read at most.
     read_threads = 8
     read_chunk = 16 << 20
 
@@ -85,9 +86,7 @@ class PromptCacheDir:
         self._files = {}
         self._n_bytes = 0  # every entry file in the directory, at the last count
         self._digests = {}  # (directory, its files' stats) -> digest
-        # [bytes, seconds] of the restores, each older one weighing half;
-        # the prior counts as 10 ms of reading
-        self._read = [self.read_prior / 100, 0.01]
+        self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
         self._lock_dir()
         try:
             for name, entry in self._scan():
@@ -105,8 +104,9 @@ class PromptCacheDir:
 
     @property
     def read_rate(self):
-        """Bytes a second restores took, the recent ones weighing most."""
-        return self._read[0] / self._read[1]
+        """Bytes a second restores took, the recent ones weighing most;
+        ``read_prior`` until one is measured."""
+        return self._read[0] / self._read[1] if self._read[1] else self.read_prior
 
     @staticmethod
     def _observe(totals: list, amount: float, seconds: float):
@@ -300,10 +300,12 @@ class PromptCacheDir:
         """Yield ``(key, bytes)`` of each array of the entry file open on
         ``fd`` (``header``, its checked header), in file order, each as soon
         as it is read: ``read_threads`` threads read ``read_chunk`` bytes at
-        a time into preallocated numpy buffers and take each chunk's CRC-32
-        (zlib releases the GIL). Raises ``ValueError``, once all are read, if
-        their CRC-32 is not the header's (``_write``'s: the arrays' bytes in
-        sorted key order, chunks joined as zlib's ``crc32_combine`` joins them)."""
+        a time into preallocated numpy buffers and check each chunk: its
+        CRC-32 (zlib releases the GIL) and, for floats, that no exponent is
+        all ones (NaN or infinite). Raises ``ValueError`` where a float is
+        not finite and, once all are read, where their CRC-32 is not the
+        header's (``_write``'s: the arrays' bytes in sorted key order, chunks
+        joined as zlib's ``crc32_combine`` joins them)."""
         import numpy as np
 
         base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
@@ -315,13 +317,26 @@ class PromptCacheDir:
                 shifts[n] = self._crc32_shift(n)
             return self._crc32_times(shifts[n], crc1) ^ crc2
 
-        def read(view, at):
+        # safetensors dtype: its bits, and the exponent all ones in NaN and inf
+        floats = {
+            "BF16": np.array(0x7F80, np.uint16),
+            "F16": np.array(0x7C00, np.uint16),
+            "F32": np.array(0x7F800000, np.uint32),
+            "F64": np.array(0x7FF0000000000000, np.uint64),
+        }
+
+        def read(key, view, at):
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], at + done)
                 if n == 0:
                     raise ValueError("it was truncated while it was read")
                 done += n
+            exponent = floats.get(header[key]["dtype"])
+            if exponent is not None:
+                bits = np.frombuffer(view, exponent.dtype)
+                if (bits & exponent).max(initial=0) == exponent:
+                    raise ValueError(f"array {key} holds NaN or infinite values")
             return zlib.crc32(view)
 
         pool = ThreadPoolExecutor(self.read_threads)
@@ -331,7 +346,7 @@ class PromptCacheDir:
                 data = np.empty(stop - start, np.uint8)
                 view, step = memoryview(data), self.read_chunk
                 parts = [
-                    (pool.submit(read, view[i : i + step], base + start + i),
+                    (pool.submit(read, k, view[i : i + step], base + start + i),
                      len(view[i : i + step]))
                     for i in range(0, len(data), step)
                 ]  # fmt: skip

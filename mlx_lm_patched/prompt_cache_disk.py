@@ -196,7 +196,7 @@ class DiskPromptCache(PromptCacheDir):
                 os.close(fd)
             mx.eval(list(arrays.values()))
             metadata = header["__metadata__"]
-            cache = _prompt_cache_from_arrays(arrays, metadata, path)[0]
+            cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
             for i, c in enumerate(cache):
                 offset = getattr(c, "offset", None)
                 if isinstance(offset, int) and offset != len(entry[1]):

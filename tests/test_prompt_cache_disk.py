@@ -662,3 +662,34 @@ def test_prefill_rate_is_read_from_a_batch_generators_counters(tmp_path):
     lru.prefill_counters.prompt_tokens, lru.prefill_counters.prompt_time = 10, 1.0
     assert lru.prefill_rate == (2500 / 2 + 10) / (2.0 / 2 + 1.0)
     assert lru.prefill_rate == 630  # read once: nothing counted twice
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_a_resealed_file_holding_nan_or_inf_is_a_miss(
+    dtype, value, load_tiny, tmp_path, caplog
+):
+    """The reader checks floats as it reads them: a file whose CRC-32 and
+    manifest were recomputed around a NaN (or infinity) is still refused."""
+    import zlib
+
+    model, _ = load_tiny("llama", dtype=dtype)
+    path = one_entry(model, tmp_path)
+    header, body = read_header(path)
+    size = getattr(mx, dtype).size
+    bad = mx.array([value], getattr(mx, dtype)).view(getattr(mx, f"uint{8 * size}"))
+    start = header["1.0"]["data_offsets"][0] + 7 * size  # layer 1's keys, 8th
+    body = body[:start] + bad.item().to_bytes(size, "little") + body[start + size :]
+    crc = 0
+    for k in sorted(k for k in header if k != "__metadata__"):
+        a, b = header[k]["data_offsets"]
+        crc = zlib.crc32(body[a:b], crc)
+    header["__metadata__"]["0.crc32"] = str(crc)
+    path = write_header(path, header, body, reseal=True)
+    caplog.set_level(logging.WARNING)
+    tier = disk(tmp_path)
+    assert len(tier) == 1
+
+    assert tier.get(MODEL, PROMPT[:90] + EXTRA) is None
+    assert f"{path}: ValueError('array 1.0 holds NaN or infinite" in caplog.text
+    assert len(tier) == 0

@@ -296,8 +296,8 @@ class PromptCacheDir:
         entry = (model, tokens, int(trimmable), size)
         return (entry, header) if full else entry
 
-    def _read_arrays(self, fd: int, header: dict):
-        """Yield ``(key, bytes)`` of each array of the entry file open on
+    def _read_arrays(self, fd: int, header: dict, each):
+        """Call ``each(key, bytes)`` for each array of the entry file open on
         ``fd`` (``header``, its checked header), in file order, each as soon
         as it is read: ``read_threads`` threads read ``read_chunk`` bytes at
         a time into preallocated numpy buffers and check each chunk: its
@@ -351,11 +351,11 @@ class PromptCacheDir:
                     for i in range(0, len(data), step)
                 ]  # fmt: skip
                 jobs.append((k, data, parts))
-            for k, data, parts in jobs:
-                crcs[k] = 0
+            for i, (k, data, parts) in enumerate(jobs):
+                jobs[i], crcs[k] = None, 0  # its buffer freed once used
                 for part, n in parts:
                     crcs[k] = combine(crcs[k], part.result(), n)
-                yield k, data
+                each(k, data)
         finally:
             pool.shutdown(cancel_futures=True)
         crc = 0

@@ -187,11 +187,14 @@ class DiskPromptCache(PromptCacheDir):
                 if entry != self._files.get(name):
                     raise ValueError("it changed since it was indexed")
                 arrays = {}
-                for k, data in self._read_arrays(fd, header):
+
+                def build(k, data):  # to the device while more is read
                     dtype = getattr(mx, self.dtypes[header[k]["dtype"]])
                     bits = data.view(f"<u{dtype.size}").reshape(header[k]["shape"])
                     arrays[k] = mx.array(bits).view(dtype)
-                    mx.async_eval(arrays[k])  # to the device while more is read
+                    mx.async_eval(arrays[k])
+
+                self._read_arrays(fd, header, build)
             finally:
                 os.close(fd)
             mx.eval(list(arrays.values()))

@@ -14,7 +14,10 @@ under an ``flock`` of it, so replicas sharing it hold it together (two held
 least recently used (oldest mtime) go first; temporary files a killed
 writer left are removed at the next count; on a full disk the oldest
 entries make room. A model key names the weights, not their path: a digest
-of the files of each local directory in it (``_model_key``).
+of the files of each local directory in it (``_model_key``). An entry's
+data is read by several threads (``_read_arrays``), each checking what it
+read (CRC-32, finite floats), so no one core bounds a restore; how fast
+restores went is kept (``read_rate``).
 """
 
 import errno

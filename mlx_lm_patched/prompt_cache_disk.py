@@ -15,7 +15,11 @@ caches as their packed triples, nothing upcast) on the calling thread, and
 a background thread writes it (a locked temporary file renamed into place).
 ``get`` returns the longest stored prefix of a prompt (or a longer entry
 trimmed to it, as ``LRUPromptCache.fetch_nearest_cache`` does) as a working
-cache, bit for bit, and the tokens left to prefill.
+cache, bit for bit, and the tokens left to prefill. It reads the file in
+parallel threads, checking each chunk as it lands (``_read_arrays``), and
+copies each array into MLX while the next are read: a 268 MB entry read
+from the page cache took a median 0.36-0.72 s here, 1.59-1.79 s before
+(2 loaded CPU cores).
 
 An entry is served only if everything that shapes it is verified: its
 manifest digest covers every header field (dtypes, shapes, offsets, tokens,
@@ -28,7 +32,10 @@ raised.
 ``DiskLRUPromptCache(disk, max_size, max_bytes)`` is an ``LRUPromptCache``
 that writes every entry it evicts (``_evict``, ``prompt_cache_store``) to
 ``disk`` and, where memory holds less of a prompt than the disk tier,
-serves it from there.
+serves it from there, if reading it is expected to be faster than
+prefilling what it saves (measured restores against measured prefills):
+on a GPU, a prefill can beat the disk (issue #27: 0.96 s of prefill against
+a 3.31 s restore of a 16k-token Llama-8B-shape prefix).
 """
 
 from typing import TYPE_CHECKING, Any, List

@@ -31,7 +31,6 @@ import stat
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, List
 
 from ._registry import Patch, cache_class, targets
@@ -309,6 +308,8 @@ class PromptCacheDir:
         not finite and, once all are read, where their CRC-32 is not the
         header's (``_write``'s: the arrays' bytes in sorted key order, chunks
         joined as zlib's ``crc32_combine`` joins them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import numpy as np
 
         base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
@@ -460,7 +461,6 @@ PATCH = Patch(
         threading,
         time,
         zlib,
-        ThreadPoolExecutor,
         PromptCacheDir,
     ),
 )

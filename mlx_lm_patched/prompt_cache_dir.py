@@ -89,6 +89,7 @@ class PromptCacheDir:
         self._n_bytes = 0  # every entry file in the directory, at the last count
         self._digests = {}  # (directory, its files' stats) -> digest
         self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
+        self._pool = (0, None)  # (read_threads, the threads reading entries)
         self._lock_dir()
         try:
             for name, entry in self._scan():
@@ -308,7 +309,7 @@ class PromptCacheDir:
         not finite and, once all are read, where their CRC-32 is not the
         header's (``_write``'s: the arrays' bytes in sorted key order, chunks
         joined as zlib's ``crc32_combine`` joins them)."""
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor, wait
 
         import numpy as np
 
@@ -343,7 +344,9 @@ class PromptCacheDir:
                     raise ValueError(f"array {key} holds NaN or infinite values")
             return zlib.crc32(view)
 
-        pool = ThreadPoolExecutor(self.read_threads)
+        if self._pool[0] != self.read_threads:  # kept: threads take ms to start
+            self._pool = (self.read_threads, ThreadPoolExecutor(self.read_threads))
+        pool, futures = self._pool[1], []
         try:
             jobs, crcs = [], {}
             for k, (start, stop) in sorted(spans.items(), key=lambda x: x[1]):
@@ -355,13 +358,16 @@ class PromptCacheDir:
                     for i in range(0, len(data), step)
                 ]  # fmt: skip
                 jobs.append((k, data, parts))
+                futures += [part for part, _ in parts]
             for i, (k, data, parts) in enumerate(jobs):
                 jobs[i], crcs[k] = None, 0  # its buffer freed once used
                 for part, n in parts:
                     crcs[k] = combine(crcs[k], part.result(), n)
                 each(k, data)
-        finally:
-            pool.shutdown(cancel_futures=True)
+        finally:  # on any error, no thread reads ``fd`` once this returns
+            for part in futures:
+                part.cancel()
+            wait(futures)
         crc = 0
         for k in sorted(crcs):
             crc = combine(crc, crcs[k], spans[k][1] - spans[k][0])

@@ -203,6 +203,16 @@ def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
     assert len(out["tokens"]) == 6
     # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16
     assert out["file_bytes"] > 2 * 2 * 2 * 16 * 300 * 2
+    # The cold read is named, the plain reader's bound and the cost model's
+    # choice given: on this CPU, restoring beats a prefill.
+    assert out["page_cache_drop"] in ("drop_caches", "fadvise")
+    assert out["bound_s"] > 0 and out["restore_vs_bound"] > 0
+    model = out["cost_model"]
+    assert model["prefill_tokens_per_s"] == out["prefill_tokens_per_s"]
+    assert model["choice"] == (
+        "restore" if model["expected_restore_s"] < model["expected_prefill_s"]
+        else "recompute"
+    )  # fmt: skip
 
 
 def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():

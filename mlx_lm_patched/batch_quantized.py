@@ -347,7 +347,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         cache = QuantizedRotatingKVCache(
             self.max_size, self.keep, self.group_size, self.bits
         )
-        cache.offset = row.offset
+        cache.offset, cache.checkpoints = row.offset, row.checkpoints
         if row.keys is not None:
             cache.keys = tuple(
                 map(mx.contiguous, self._unpack(row.keys, self.head_dims[0]))

@@ -74,14 +74,17 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         """``RotatingKVCache._update_past_ring`` on each quantized part, which
         is a ring of that layout itself: attention sees the last
         ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
-        parts, seen = [], []
+        parts, seen, rings = [], [], []
         for k_ring, v_ring, k, v in zip(self.keys, self.values, keys, values):
             ring = RotatingKVCache(self.max_size, self.keep)
             ring.keys, ring.values = k_ring, v_ring
             ring.offset, ring._idx = self.offset, self._idx
             seen.append(ring._update_past_ring(k, v))
             parts.append((ring.keys, ring.values))
+            rings.append(ring)
         self.keys, self.values = (tuple(p) for p in zip(*parts))
+        if self.checkpoint_every:
+            self._join_checkpoints(rings)
         self.offset += keys[0].shape[2]
         self._idx = self.max_size
         return tuple(zip(*seen))
@@ -192,7 +195,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     def nbytes(self):
         if self.keys is None:
             return 0
-        return sum(x.nbytes for x in self.keys + self.values)
+        return sum(x.nbytes for x in self.keys + self.values + (*self.checkpoints,))
 
 
 class _RotatingKVCache:

@@ -151,6 +151,7 @@ class BatchRotatingKVCache:
         if self.checkpoints:
             rows = (c.extract(idx) for c in self.checkpoints)
             cache.checkpoints = [c for c in rows if cache.keep < c.offset]
+            mx.eval([c.state for c in cache.checkpoints])  # not pinning the batch's
         return cache
 
     @classmethod

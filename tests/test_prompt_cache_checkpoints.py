@@ -14,7 +14,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
     BatchRotatingKVCache,
-    KVCache,
     LRUPromptCache,
     RotatingKVCache,
     make_prompt_cache,

@@ -120,8 +120,8 @@ def test_decode_still_writes_the_ring_in_place(every):
     assert len(pointers) == 1
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_batch_rows_take_out_their_own_checkpoints(every, quantized):
+@pytest.mark.parametrize("quantized,keep", [(False, 0), (False, 4), (True, 0)])
+def test_batch_rows_take_out_their_own_checkpoints(every, quantized, keep):
     """``extract`` gives each row the checkpoints of its own tokens: what a
     single ring fed that row up to the position holds; ``filter`` keeps
     them with their rows."""
@@ -129,7 +129,7 @@ def test_batch_rows_take_out_their_own_checkpoints(every, quantized):
     mx.random.seed(0)
     pad = [0, 30, 0]  # rows of 150, 120 and 150 real tokens
     ks, vs = random_kv(3, H, 150, D)
-    cache = BatchRotatingKVCache(48, pad)
+    cache = BatchRotatingKVCache(48, pad, keep)
     if quantized:
         cache = cache.to_quantized(group_size=32, bits=8)
     feed(cache, ks, vs, [40, 60, 50])
@@ -140,7 +140,7 @@ def test_batch_rows_take_out_their_own_checkpoints(every, quantized):
             t - pad[b] for t in (64, 96, 128) if t - pad[b] > 0
         ]
         for c in taken:
-            alone = ring("quantized" if quantized else "ring", 48, 0)
+            alone = ring("quantized" if quantized else "ring", 48, keep)
             at = pad[b]
             feed(alone, ks[b : b + 1, :, at:], vs[b : b + 1, :, at:], [c.offset])
             assert same(temporal(c), temporal(alone))

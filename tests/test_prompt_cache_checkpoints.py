@@ -189,6 +189,43 @@ def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
     assert mx.allclose(logits, fresh, atol=1e-5, rtol=0).item()
 
 
+def first_logprobs(model, prompts, caches=None, **kwargs):
+    """The first prompt's ``BatchGenerator`` response after one token (its
+    log-probabilities, cache and tokens), in a batch with the others."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=1, prefill_step_size=300, **kwargs)
+    uids = generator.insert(prompts, caches=caches)
+    done = {}
+    while len(done) < len(prompts):
+        done.update((r.uid, r) for r in generator.next_generated() if r.finish_reason)
+    return done[uids[0]]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_batch_row_branches_from_its_checkpoint_with_fresh_logprobs(
+    load_tiny, every, kv_bits
+):
+    """As the server does it: the first prompt prefilled in a batch (300-token
+    chunks, beside a shorter prompt), its row's cache stored; the branch is
+    served from the checkpoint at 1,024 and its first token's
+    log-probabilities are a fresh batch prefill's (within 1e-5), also with
+    quantized rings."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    kwargs = {"kv_bits": kv_bits, "kv_group_size": 32, "quantized_kv_start": 0}
+    kwargs = kwargs if kv_bits else {}
+    other = [(5 * j + 1) % 400 + 10 for j in range(700)]
+    done = first_logprobs(model, [FIRST, other], **kwargs)
+    store = LRUPromptCache()
+    store.insert_cache("m", done.all_tokens, done.prompt_cache)
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    got = first_logprobs(model, [rest], [fetched], **kwargs).logprobs
+    want = first_logprobs(model, [SECOND], **kwargs).logprobs
+    assert mx.allclose(got, want, atol=1e-5, rtol=0).item()
+
+
 def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny, every):
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     every(512)

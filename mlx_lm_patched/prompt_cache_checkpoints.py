@@ -11,14 +11,16 @@ With ``RotatingKVCache.checkpoint_every = n`` (and ``BatchRotatingKVCache``'s;
 0, the default, takes none; ``mlx_lm_patched.server`` sets 512), a
 multi-token update that reaches a multiple of ``n`` keeps a copy of the
 window at that position in the ring's ``checkpoints``, at most
-``max_checkpoints`` (8), the newest. A checkpoint is cut from what
+``max_checkpoints`` (4), the newest. A checkpoint is cut from what
 attention reads anyway (the sinks, the last window and the chunk), so any
 prefill chunking works and nothing is evaluated on its own: the copy (one
 window a layer, lazily) is a dependency of the new ring, evaluated with it.
 It must be a copy: the ring is written in place, and a reference would make
 MLX copy the whole ring at the next write instead. A trim drops the
 checkpoints past the new end, ``nbytes`` counts them, and entries of
-``LRUPromptCache`` keep them (inside ``max_bytes``): where the longer entry
+``LRUPromptCache`` keep them (inside ``max_bytes``; each is a window a
+rotating layer: a Llama-8B-shaped stack of 4,096-token rings holds 512 MiB
+a checkpoint, so up to 2 GiB more a cache): where the longer entry
 cannot be trimmed back to a request's common prefix, ``fetch_nearest_cache``
 restores the newest position at or before it that every layer can give (a
 ring its checkpoint, a ``KVCache`` a trim) and the request prefills from
@@ -48,7 +50,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.
 class RotatingKVCache:
-    max_checkpoints = 8
+    max_checkpoints = 4
 
     def _checkpoint(self, seen, first):
         """Keep the window at each multiple of ``checkpoint_every`` this
@@ -57,7 +59,8 @@ class RotatingKVCache:
         end = first + seen[0].shape[2] - keep
         taken = [c for c in self.checkpoints if c.offset <= self.offset]
         new = []
-        for p in range((max(self.offset, keep) // every + 1) * every, end + 1, every):
+        first_p = (max(self.offset, keep) // every + 1) * every
+        for p in range(first_p, end + 1, every)[-self.max_checkpoints :]:
             j = p - first + keep
             lo = max(keep, j - self.max_size + keep)
             snap = copy.copy(self)
@@ -93,7 +96,7 @@ class QuantizedRotatingKVCache:
 
 
 class BatchRotatingKVCache:
-    max_checkpoints = 8
+    max_checkpoints = 4
 
     def _checkpoint(self, sinks, columns, S):
         """Keep the batch at each multiple of ``checkpoint_every`` columns
@@ -102,7 +105,8 @@ class BatchRotatingKVCache:
         end, count = self._offset, columns[0].shape[2]
         taken = [c for c in self.checkpoints if c._offset <= end - S]
         new = []
-        for t in range(((end - S) // every + 1) * every, end + 1, every):
+        first_t = ((end - S) // every + 1) * every
+        for t in range(first_t, end + 1, every)[-self.max_checkpoints :]:
             live, j = min(t, window), t - end + count
             snap = copy.copy(self)
             snap.keys, snap.values = (

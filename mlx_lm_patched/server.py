@@ -17,7 +17,7 @@ from mlx_lm_patched._front import run
 # A chat template's re-rendered tail (an end-of-turn marker, a stripped
 # space, a changed last word) is a few tokens.
 SLACK = 8
-# Eight of them (``max_checkpoints``) cover the last 4,096 tokens of a prompt.
+# Four of them (``max_checkpoints``) cover the last 2,048 tokens of a prompt.
 CHECKPOINT_EVERY = 512
 
 

@@ -104,7 +104,8 @@ class BatchRotatingKVCache:
         )
         self.offset = mx.concatenate([c.offset for c in caches])
         self.keys, self.values = keys, values
-        self.checkpoints = ()  # the other rows have none at these columns
+        for c in self.checkpoints:  # the other rows join them empty
+            c.extend(type(c)(c.max_size, [0] * other.offset.shape[0], c.keep))
         self._offset = max(c._offset for c in caches)
         self._idx = self.keep + n
         self.rotated = False

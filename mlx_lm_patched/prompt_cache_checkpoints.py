@@ -28,11 +28,11 @@ there.
 
 Batched rings take checkpoints at multiples of ``n`` columns of the batch's
 timeline (rows take them at their own positions); ``extract`` hands each row
-its own, ``filter`` keeps them, ``extend`` drops them (the other rows have
-none there), and an update with right padding takes none: prompts of other
-lengths prefilled together, or a request joining a batch mid-prefill, lose
-the checkpoints of those chunks (through the server, three concurrent chats
-of 490-590 tokens in 300-token chunks kept none at 512). Quantized rings,
+its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
+empty rows (a copy of each), and an update with right padding takes none:
+prompts of other lengths prefilled together lose the checkpoints of their
+ragged chunks (through the server, three concurrent chats of 490-590 tokens
+in 300-token chunks kept none at 512). Quantized rings,
 single and batched, keep quantized checkpoints. Not kept: the disk tier's
 files, and the checkpoints of rows merged into a batch.
 """

@@ -146,6 +146,29 @@ def test_batch_rows_take_out_their_own_checkpoints(every, quantized, keep):
             assert same(temporal(c), temporal(alone))
 
 
+def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
+    """A row joining a batch mid-prefill (``extend``) takes checkpoints from
+    then on; the rows already there keep theirs: each the single ring fed
+    that row up to the position."""
+    every(32)
+    monkeypatch.setattr(BatchRotatingKVCache, "max_checkpoints", 8)
+    mx.random.seed(0)
+    ks, vs = random_kv(3, H, 200, D)
+    cache = BatchRotatingKVCache(48, [0, 0])
+    feed(cache, ks[:2], vs[:2], [70])
+    joining = BatchRotatingKVCache(48, [0])
+    cache.extend(joining)  # its tokens: ks[2] from column 70 on
+    feed(cache, ks[:, :, 70:], vs[:, :, 70:], [60, 70])
+    for b, start in ((0, 0), (1, 0), (2, 70)):
+        taken = cache.extract(b).checkpoints
+        want = [t - start for t in range(32, 193, 32) if t - start > 0]
+        assert [c.offset for c in taken] == want
+        for c in taken:
+            alone = RotatingKVCache(48)
+            feed(alone, ks[b : b + 1, :, start:], vs[b : b + 1, :, start:], [c.offset])
+            assert same(temporal(c), temporal(alone))
+
+
 FIRST = [(7 * j + 3) % 500 + 10 for j in range(1500)]
 SECOND = FIRST[:1200] + [(11 * j + 5) % 500 + 10 for j in range(40)]
 

@@ -260,8 +260,8 @@ class BatchRotatingKVCache:
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
-        if self.checkpoint_every and self._lengths is None:
-            self._checkpoint(sinks, [c[..., lead:, :] for c in seen], S)
+        if self.checkpoint_every:
+            self._checkpoint(sinks, [c[..., drop + lead :, :] for c in seen], S)
         # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100, 4
         # prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB unpipelined
         # (the unbounded batch: 10.3), pipelined at 3.0 in the unbounded batch's

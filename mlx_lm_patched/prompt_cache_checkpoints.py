@@ -29,10 +29,9 @@ there.
 Batched rings take checkpoints at multiples of ``n`` columns of the batch's
 timeline (rows take them at their own positions); ``extract`` hands each row
 its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
-empty rows (a copy of each), and an update with right padding takes none:
-prompts of other lengths prefilled together lose the checkpoints of their
-ragged chunks (through the server, three concurrent chats of 490-590 tokens
-in 300-token chunks kept none at 512). Quantized rings,
+empty rows (a copy of each), and an update with right padding (prompts of
+other lengths prefilled together) takes them up to where its shortest row
+ends. Quantized rings,
 single and batched, keep quantized checkpoints. Not kept: the disk tier's
 files, and the checkpoints of rows merged into a batch.
 """
@@ -103,13 +102,19 @@ class BatchRotatingKVCache:
 
     def _checkpoint(self, sinks, columns, S):
         """Keep the batch at each multiple of ``checkpoint_every`` columns
-        this update of ``S`` reached; ``columns`` end at the newest."""
+        this update of ``S`` reached; ``columns`` end at the newest. With
+        right padding, only where every row is still real, before its roll."""
         every, window = self.checkpoint_every, self.max_size - self.keep
         end, count = self._offset, columns[0].shape[2]
+        last, roll = end, 0
+        if self._lengths is not None:  # the rows' tokens this call, given
+            lengths, _, given = self._padded
+            last = end - given + min(lengths)
+            roll = mx.array([max(0, given - n) for n in lengths])
         taken = [c for c in self.checkpoints if c._offset <= end - S]
         new = []
         first_t = ((end - S) // every + 1) * every
-        for t in range(first_t, end + 1, every)[-self.max_checkpoints :]:
+        for t in range(first_t, last + 1, every)[-self.max_checkpoints :]:
             live, j = min(t, window), t - end + count
             snap = copy.copy(self)
             snap.keys, snap.values = (
@@ -117,9 +122,9 @@ class BatchRotatingKVCache:
                 for s, x in zip(sinks, columns)
             )
             snap._offset, snap._idx, snap.rotated = t, self.keep + live, False
-            snap.offset = self.offset - (end - t)
-            snap.left_padding = self.left_padding + (end - window) - (t - live)
-            snap._undo_keys = snap._undo_values = None
+            snap.offset = self.offset + roll - (end - t)
+            snap.left_padding = self.left_padding - roll + (end - window) - (t - live)
+            snap._undo_keys = snap._undo_values = snap._lengths = None
             snap._lo, snap._hi, snap.checkpoints = 0, 0, ()
             new += [snap.keys, snap.values]
             taken.append(snap)

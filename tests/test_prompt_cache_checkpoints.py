@@ -169,6 +169,27 @@ def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
             assert same(temporal(c), temporal(alone))
 
 
+def test_right_padded_rows_keep_checkpoints_up_to_the_shortest(every):
+    """Rows of 150, 100 and 130 tokens prefilled together (right padding,
+    as ``BatchGenerator`` pads a chunk): checkpoints at 32, 64 and 96, each
+    the single ring fed that row that far; none past the shortest row."""
+    every(32)
+    mx.random.seed(0)
+    lengths = [150, 100, 130]
+    ks, vs = random_kv(3, H, 150, D)
+    cache = BatchRotatingKVCache(48, [0, 0, 0])
+    cache.prepare(lengths=lengths, right_padding=[150 - n for n in lengths])
+    feed(cache, ks, vs, [60, 60, 30])
+    cache.finalize()
+    for b in range(3):
+        taken = cache.extract(b).checkpoints
+        assert [c.offset for c in taken] == [32, 64, 96]
+        for c in taken:
+            alone = RotatingKVCache(48)
+            feed(alone, ks[b : b + 1], vs[b : b + 1], [c.offset])
+            assert same(temporal(c), temporal(alone))
+
+
 FIRST = [(7 * j + 3) % 500 + 10 for j in range(1500)]
 SECOND = FIRST[:1200] + [(11 * j + 5) % 500 + 10 for j in range(40)]
 

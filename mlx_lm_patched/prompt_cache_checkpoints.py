@@ -30,8 +30,7 @@ Batched rings take checkpoints at multiples of ``n`` columns of the batch's
 timeline (rows take them at their own positions); ``extract`` hands each row
 its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
 empty rows (a copy of each), and an update with right padding (prompts of
-other lengths prefilled together) takes them up to where its shortest row
-ends. Quantized rings,
+other lengths prefilled together) gives a row none past its own tokens. Quantized rings,
 single and batched, keep quantized checkpoints. Not kept: the disk tier's
 files, and the checkpoints of rows merged into a batch.
 """
@@ -61,8 +60,8 @@ class RotatingKVCache:
         end = first + seen[0].shape[2] - keep
         taken = [c for c in self.checkpoints if c.offset <= self.offset]
         new = []
-        first_p = (max(self.offset, keep) // every + 1) * every
-        for p in range(first_p, end + 1, every)[-self.max_checkpoints :]:
+        positions = range((max(self.offset, keep) // every + 1) * every, end + 1, every)
+        for p in positions[-self.max_checkpoints :]:
             j = p - first + keep
             lo = max(keep, j - self.max_size + keep)
             snap = copy.copy(self)
@@ -103,27 +102,32 @@ class BatchRotatingKVCache:
     def _checkpoint(self, sinks, columns, S):
         """Keep the batch at each multiple of ``checkpoint_every`` columns
         this update of ``S`` reached; ``columns`` end at the newest. With
-        right padding, only where every row is still real, before its roll."""
+        right padding, a row past its tokens there gets none (offset 0), the
+        others theirs before their rolls."""
         every, window = self.checkpoint_every, self.max_size - self.keep
-        end, count = self._offset, columns[0].shape[2]
-        last, roll = end, 0
+        end, pre, count = self._offset, self._offset - S, columns[0].shape[2]
+        start, lengths, roll = end, None, 0
         if self._lengths is not None:  # the rows' tokens this call, given
             lengths, _, given = self._padded
-            last = end - given + min(lengths)
+            start, end = end - given, min(end, end - given + max(lengths))
             roll = mx.array([max(0, given - n) for n in lengths])
-        taken = [c for c in self.checkpoints if c._offset <= end - S]
+        taken = [c for c in self.checkpoints if c._offset <= pre]
         new = []
-        first_t = ((end - S) // every + 1) * every
-        for t in range(first_t, last + 1, every)[-self.max_checkpoints :]:
-            live, j = min(t, window), t - end + count
+        positions = range((pre // every + 1) * every, end + 1, every)
+        for t in positions[-self.max_checkpoints :]:
+            live, j = min(t, window), t - self._offset + count
             snap = copy.copy(self)
             snap.keys, snap.values = (
                 mx.concatenate([s, x[..., j - live : j, :]], axis=2)
                 for s, x in zip(sinks, columns)
             )
             snap._offset, snap._idx, snap.rotated = t, self.keep + live, False
-            snap.offset = self.offset + roll - (end - t)
-            snap.left_padding = self.left_padding - roll + (end - window) - (t - live)
+            snap.offset = self.offset + roll - (self._offset - t)
+            if lengths is not None:
+                real = mx.array([t - start <= n for n in lengths])
+                snap.offset = mx.where(real, snap.offset, 0)
+            lp = self.left_padding - roll + (self._offset - window)
+            snap.left_padding = lp - (t - live)
             snap._undo_keys = snap._undo_values = snap._lengths = None
             snap._lo, snap._hi, snap.checkpoints = 0, 0, ()
             new += [snap.keys, snap.values]

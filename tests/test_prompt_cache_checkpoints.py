@@ -169,10 +169,11 @@ def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
             assert same(temporal(c), temporal(alone))
 
 
-def test_right_padded_rows_keep_checkpoints_up_to_the_shortest(every):
+def test_right_padded_rows_keep_checkpoints_within_their_tokens(every):
     """Rows of 150, 100 and 130 tokens prefilled together (right padding,
-    as ``BatchGenerator`` pads a chunk): checkpoints at 32, 64 and 96, each
-    the single ring fed that row that far; none past the shortest row."""
+    as ``BatchGenerator`` pads a chunk): each row's checkpoints are the
+    multiples of 32 within its own tokens, each the single ring fed that
+    row that far."""
     every(32)
     mx.random.seed(0)
     lengths = [150, 100, 130]
@@ -183,7 +184,7 @@ def test_right_padded_rows_keep_checkpoints_up_to_the_shortest(every):
     cache.finalize()
     for b in range(3):
         taken = cache.extract(b).checkpoints
-        assert [c.offset for c in taken] == [32, 64, 96]
+        assert [c.offset for c in taken] == list(range(32, lengths[b] + 1, 32))
         for c in taken:
             alone = RotatingKVCache(48)
             feed(alone, ks[b : b + 1], vs[b : b + 1], [c.offset])

@@ -80,10 +80,10 @@ class RotatingKVCache:
 
 
 class QuantizedRotatingKVCache:
-    def _join_checkpoints(self, rings):
-        """Checkpoints of the quantized parts' ``rings``, joined into ours."""
-        taken = [c for c in self.checkpoints if c.offset <= self.offset]
-        for parts in zip(*(r.checkpoints for r in rings)):
+    def _join_checkpoints(self, per_part):
+        """The checkpoints each quantized part's ring took, joined into ours."""
+        taken = list(self.checkpoints)
+        for parts in zip(*per_part):
             snap = copy.copy(self)
             snap.keys = tuple(p.keys for p in parts)
             snap.values = tuple(p.values for p in parts)

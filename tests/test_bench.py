@@ -239,6 +239,19 @@ def test_slack_bench_decodes_every_ring_in_place():
     assert all(result[k]["ring_buffers"] == 1 for k in sides)
 
 
+def test_checkpoints_bench_leaves_less_to_prefill_than_upstream():
+    from mlx_lm_patched.bench import checkpoints
+
+    small = "--window 64 --first 400 --shared 300 --every 128 --rounds 1 "
+    small += "--layers 1 --ring 256 --tokens 2048 --device cpu"
+    out = checkpoints.main(small.split())
+    assert list(out)[:5] == HEADER
+    assert out["upstream"]["left_to_prefill"] == out["main"]["left_to_prefill"] == 340
+    assert out["checkpoints"]["left_to_prefill"] == 340 - 256
+    assert out["checkpoints"]["max_abs_logit_diff"] <= 1e-5
+    assert out["checkpoints"]["bytes"] > 0 == out["main"]["bytes"]
+
+
 def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     """On a tiny model: the reference row agrees with itself, a ring as large
     as the sequence changes nothing, a merged batch gives each row its single

@@ -21,6 +21,7 @@ MODULES = [
     "rounds",
     "quality",
     "qdecode",
+    "checkpoints",
 ]
 
 

@@ -8,6 +8,8 @@ Everything is seeded: the same standard library gives the same model.
 """
 
 import argparse
+import hashlib
+import inspect
 import json
 import sys
 import sysconfig
@@ -274,14 +276,29 @@ def build(path, config=CONFIG, recipe=RECIPE):
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tiny.write_tokenizer(path, tokenizer.to_str())
-    (path / "training.json").write_text(json.dumps(stamp(config, recipe), indent=2))
     return path
 
 
-def stamp(config=None, recipe=None):
-    """What a trained directory was made from (by default the current
-    ``CONFIG`` and ``RECIPE``): a directory made from another is stale."""
-    return {"config": config or CONFIG, "recipe": recipe or RECIPE}
+def stamp():
+    """What the demo model is made from: ``CONFIG``, ``RECIPE``, a digest of
+    the trainer's source (this module, ``tiny``'s tokenizer), and the
+    versions of Python (its standard library is the corpus) and of the
+    libraries that train it. A model made from another stamp is stale."""
+    import tokenizers
+
+    from mlx_lm_patched import tiny
+
+    source = Path(__file__).read_text() + "".join(
+        inspect.getsource(f) for f in (tiny.bpe_tokenizer, tiny.write_tokenizer)
+    )
+    return {
+        "config": CONFIG,
+        "recipe": RECIPE,
+        "trainer": hashlib.sha256(source.encode()).hexdigest(),
+        "python": sys.version,
+        "numpy": np.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
 def main(argv=None):

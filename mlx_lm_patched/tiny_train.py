@@ -27,7 +27,7 @@ CONFIG = {
     "num_key_value_heads": 1,
     "head_dim": 64,
     "rms_norm_eps": 1e-5,
-    "vocab_size": 1024,
+    "vocab_size": 2048,
     "max_position_embeddings": 8192,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -35,10 +35,11 @@ CONFIG = {
     "layer_types": ["sliding_attention", "full_attention"],
 }
 RECIPE = {
-    "steps": 500,
+    "steps": 800,
     "batch": 8,
     "length": 256,
     "lr": 5e-3,
+    "lr_end": 0.0,
     "seed": 0,
 }
 HELD_OUT = 10  # every 10th standard library module is kept out of training
@@ -232,10 +233,10 @@ def train(ids, config=CONFIG, recipe=RECIPE, progress=None):
         start = rng.integers(0, len(ids) - t - 1, recipe["batch"])
         window = np.stack([ids[s : s + t + 1] for s in start])
         loss, grads = loss_and_grads(params, config, window[:, :-1], window[:, 1:])
-        warm = min(1.0, step / 20)
-        lr = (
-            recipe["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * step / steps)))
-        )
+        # Warm-up, then a cosine from ``lr`` down to ``lr * lr_end``.
+        end, warm = recipe["lr_end"], min(1.0, step / 20)
+        cosine = end + (1 - end) * 0.5 * (1 + np.cos(np.pi * step / steps))
+        lr = np.float32(recipe["lr"] * warm * cosine)
         for k, g in grads.items():
             mom[k] = b1 * mom[k] + (1 - b1) * g
             vel[k] = b2 * vel[k] + (1 - b2) * g * g

@@ -26,9 +26,11 @@ demo-venv: $(VENV)/.runtime
 endif
 
 # Installs with uv where it can be had (on PATH, or put in the environment by
-# pip: seconds, against pip's half minute), with pip otherwise.
+# pip: seconds, against pip's half minute), from uv's cache alone when it has
+# every package, with pip otherwise.
+uv = $$UV pip install --python $(PYTHON) -e ".$(if $(1),[$(1)])"
 install = { UV=$$(command -v uv || { $(BIN)/pip install -q uv && echo $(BIN)/uv; }) \
-	&& $$UV pip install --python $(PYTHON) -e ".$(if $(1),[$(1)])"; } \
+	&& { $(uv) --offline 2>/dev/null || $(uv); }; } \
 	|| { $(BIN)/pip install -q --upgrade pip \
 	&& $(BIN)/pip install --progress-bar on -e ".$(if $(1),[$(1)])"; }
 

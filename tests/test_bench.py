@@ -126,9 +126,10 @@ def test_pointer_is_stable_across_an_in_place_update():
     assert memory.pointer(a) != before
 
 
-def test_memory_method_counts_the_same_reallocations_as_pointer():
+def test_memory_method_counts_the_same_reallocations_as_pointer(capsys):
     small = TINY + ["--scenarios", "a", "--rounds", "1", "--warmup", "0"]
     by_pointer = memory.main(small + ["--realloc-method", "pointer"])
+    assert "scenario a: 100%" in capsys.readouterr().err  # its progress bar
     by_memory = memory.main(small + ["--realloc-method", "memory"])
     for side in ("upstream", "patched"):
         p = by_pointer["scenarios"]["a"][side]["reallocations_by_phase"]
@@ -156,13 +157,17 @@ def test_dispatch_knows_every_benchmark_module_and_refuses_others(capsys):
     assert "memory, quantized, soak, prompt_cache, e2e" in capsys.readouterr().err
 
 
-def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path):
+def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path, capsys):
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompts 300 --chunk 128 --max-size 128 --decode 8 "
     tiny += "--kv-prompt 200 --kv-bits 8 --batch-prompts 90,60 --batch-new 3 "
     tiny += "--batch-max-kv 64 --rounds 1 --batch-rounds 1 --device cpu "
     tiny += "--only rotating_prealloc"
     assert bench.main(["e2e", *tiny.split(), "--out", str(tmp_path / "e2e.json")]) == 0
+    # Progress: a tqdm bar per measured scenario and for the interleaved decode.
+    err = capsys.readouterr().err
+    for bar in ("single 300:", "decode, interleaved:", "quantized 200:", "batch:"):
+        assert bar in err
     out = json.loads((tmp_path / "e2e.json").read_text())
     assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16

@@ -16,8 +16,10 @@ tier's threads and chunk size, no checksum, no MLX). ``cost_model`` is what
 a ``DiskLRUPromptCache`` that measured this prefill and this restore
 chooses for the same prompt (``restore`` or ``recompute``), and the times it
 expects. Both caches then decode ``--decode`` greedy tokens after the
-question: ``same_tokens`` compares them. Patched only: upstream has no disk
-tier.
+question: ``same_tokens`` compares them. With ``--bits 8`` or ``4`` the
+file holds the entry quantized at rest, as ``--prompt-cache-bits`` keeps it,
+and the restore dequantizes it (``same_tokens`` then compares with the
+unquantized cache). Patched only: upstream has no disk tier.
 
     python -m mlx_lm_patched.bench.disk                      # CPU, 8 x 512
     python -m mlx_lm_patched.bench.disk --device gpu --layers 32 --hidden 4096 \\
@@ -37,6 +39,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (
     DiskLRUPromptCache,
     DiskPromptCache,
+    LRUPromptCache,
     make_prompt_cache,
 )
 
@@ -125,10 +128,14 @@ def run(args):
     cache = prefill(model, prefix, args.chunk)
     prefill_s = time.perf_counter() - t
 
+    # Quantized at rest (--bits): the entry the server's prompt cache keeps.
+    store = LRUPromptCache(bits=args.bits, group_size=args.group_size)
+    entry = [store._at_rest(c) for c in cache] if args.bits else cache
+
     with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-disk-") as d:
         tier = DiskPromptCache(d)
         t = time.perf_counter()
-        tier.put(MODEL_KEY, prefix, cache)
+        tier.put(MODEL_KEY, prefix, entry)
         put_s = time.perf_counter() - t
         tier.flush()
         write_s = time.perf_counter() - t
@@ -141,6 +148,7 @@ def run(args):
         tier.read_threads = args.read_threads
         t = time.perf_counter()
         restored, rest = tier.get(MODEL_KEY, prefix + question)
+        restored = store._working(restored)
         mx.eval([c.state for c in restored])
         restore_s = time.perf_counter() - t
 
@@ -151,7 +159,7 @@ def run(args):
         bound_s = time.perf_counter() - t
 
         # What the cost model, having measured both, chooses for this prompt.
-        lru = DiskLRUPromptCache(tier)
+        lru = DiskLRUPromptCache(tier, bits=args.bits, group_size=args.group_size)
         lru.observe_prefill(args.prefix, prefill_s)
         read_rate, prefill_rate = tier.read_rate, lru.prefill_rate
         chosen, _ = lru.fetch_nearest_cache(MODEL_KEY, prefix + question)
@@ -214,6 +222,13 @@ def build_parser():
         default=DiskPromptCache.read_threads,
         help="threads a restore and the plain reader read with",
     )
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=[4, 8],
+        help="keep the entry quantized at rest, as --prompt-cache-bits does",
+    )
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--device", choices=["cpu", "gpu"])
     p.add_argument("--out", help="also write the JSON here")
     return p
@@ -230,6 +245,7 @@ def main(argv=None):
         "question": args.question,
         "chunk": args.chunk,
         "cold": args.cold,
+        "bits": args.bits,
         **run(args),
     }
     emit(result, args.out)

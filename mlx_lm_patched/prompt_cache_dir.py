@@ -74,6 +74,7 @@ class PromptCacheDir:
         self._trie = PromptTrie()
         # name -> (model, tokens, tokens it can trim, file bytes)
         self._files = {}
+        self._pending = {}  # name -> what is queued to be written as it
         self._n_bytes = 0  # every entry file in the directory, at the last count
         self._digests = {}  # (directory, its files' stats) -> digest
         self._lock_dir()
@@ -300,7 +301,8 @@ class PromptCacheDir:
         with self._lock:
             present = {name for _, name, _ in found}
             for name in [n for n in self._files if n not in present]:
-                self._drop(name)  # another process removed it
+                if name not in self._pending:
+                    self._drop(name)  # another process removed it
             for _, name, size in sorted(found):
                 if total - removed <= limit:
                     break

@@ -76,6 +76,8 @@ class PromptCacheDir:
         self._files = {}
         self._pending = {}  # name -> what is queued to be written as it
         self._n_bytes = 0  # every entry file in the directory, at the last count
+        self._looked = (None, 0.0)  # the directory's mtime, when, at the last look
+        self._unsound = set()  # (name, mtime, size) of files skipped with a warning
         self._digests = {}  # (directory, its files' stats) -> digest
         self._lock_dir()
         try:
@@ -183,6 +185,38 @@ class PromptCacheDir:
                 logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
         return [(name, entry) for _, name, entry in sorted(found)]
 
+    def _refresh(self):
+        """Index the entry files other processes wrote since the last look,
+        forget those they removed: only when the directory changed (or the
+        last look is a second old: coarse clocks). Files appear whole (each
+        is renamed into place), so a read is never torn."""
+        mtime = os.stat(self.directory).st_mtime_ns
+        if self._looked[0] == mtime and time.monotonic() - self._looked[1] < 1:
+            return
+        self._looked = (mtime, time.monotonic())
+        present = set()
+        for e in os.scandir(self.directory):
+            if not self._is_entry(e.name):
+                continue
+            present.add(e.name)
+            try:
+                st = os.lstat(e.path)
+                key = (e.name, st.st_mtime_ns, st.st_size)
+                if e.name in self._files or key in self._unsound:
+                    continue
+                entry = self._read_header(e.path)
+            except FileNotFoundError:
+                continue
+            except Exception as ex:
+                self._unsound.add(key)
+                logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
+                continue
+            with self._lock:
+                if e.name not in self._files:
+                    self._add(e.name, entry)
+        with self._lock:
+            self._forget(present)
+
     def _remove_stale(self, path: str):
         """Remove the temporary file ``path`` if no writer holds its lock
         (its writer died) and it is older than ``temp_grace``."""
@@ -280,6 +314,12 @@ class PromptCacheDir:
         model, tokens, _, _ = self._files.pop(name)
         self._trie.pop(model, tokens)
 
+    def _forget(self, present: set):
+        """Drop the entries another process removed: written, not in ``present``."""
+        for name in [n for n in self._files if n not in present]:
+            if name not in self._pending:
+                self._drop(name)
+
     def _shrink(self, free: int = 0):
         """Count every entry file in the directory (other processes' too)
         and remove the least recently used until they fit ``max_bytes`` and,
@@ -299,10 +339,7 @@ class PromptCacheDir:
         total = sum(size for _, _, size in found)
         limit, removed = min(self.max_bytes, total - free), 0
         with self._lock:
-            present = {name for _, name, _ in found}
-            for name in [n for n in self._files if n not in present]:
-                if name not in self._pending:
-                    self._drop(name)  # another process removed it
+            self._forget({name for _, name, _ in found})
             for _, name, size in sorted(found):
                 if total - removed <= limit:
                     break

@@ -100,6 +100,11 @@ class DiskPromptCache(PromptCacheDir):
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
 
+    @property
+    def queued(self):
+        """Entries queued, not yet written."""
+        return len(self._pending)
+
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
         (its arrays are evaluated here, not copied); ``get`` serves it from
@@ -363,6 +368,7 @@ class DiskLRUPromptCache(LRUPromptCache):
         tier = "miss" if cache is None else "memory hit"
         if rest:
             try:
+                self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached=len(tokens) - len(rest))
             except Exception as e:  # a miss, never the generation thread's end
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")

@@ -66,6 +66,7 @@ def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
         prompt_cache_bytes=None,
         prompt_cache_dir=directory,
         prompt_cache_disk_bytes=999,
+        prompt_cache_queue_bytes=1 << 20,
     )
     assert isinstance(prompt_cache, DiskLRUPromptCache)
     assert prompt_cache.max_size == 7

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from harness import MAX_TOKENS, WORDS, Server
+from harness import MAX_TOKENS, REPORT, WORDS, Server
 
 PROMPTS = [" ".join(WORDS[i * 45 : i * 45 + 150]) for i in range(6)]
 
@@ -47,7 +47,12 @@ def test_a_restart_after_sigterm_serves_the_prompt_from_disk(model_dir, tmp_path
     with Server(model, *flags, log=tmp_path / "first.log") as server:
         cold, cached, prompt_tokens = complete(server)
         again, cached_in_memory, _ = complete(server)
+        start = time.monotonic()
         log = stopped(server, signal.SIGTERM)
+        REPORT.append(
+            f"server with --prompt-cache-dir, SIGTERM to exit 0: "
+            f"{time.monotonic() - start:.2f} s"
+        )
     with Server(model, *flags, log=tmp_path / "restarted.log") as server:
         from_disk, cached_from_disk, _ = complete(server)
     restarted = server.log_path.read_text()

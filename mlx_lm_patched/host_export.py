@@ -70,7 +70,7 @@ class HostPromptCache:
             f.write(len(header).to_bytes(8, "little"))
             f.write(header)
             for a in self.arrays.values():
-                f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+                f.write(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False).data)
 
 
 def prompt_cache_state(

@@ -69,6 +69,8 @@ class PromptCacheDir:
             ) from None
         self.directory = directory
         self.max_bytes = max_bytes
+        # What else shapes an entry (a server's --kv-bits): in every model key.
+        self.scope = None
         self._lock = threading.Lock()
         self._dir_lock = threading.Lock()
         self._trie = PromptTrie()
@@ -124,15 +126,13 @@ class PromptCacheDir:
         """``model`` as entries name it. A server's key (model, adapter and
         draft paths) names each local directory by a digest of its files,
         so other weights at the same path are other entries; any other key
-        is its ``repr``."""
-        if not isinstance(model, tuple):
-            return repr(model)
-        return repr(
-            tuple(
+        is its ``repr``. With a ``scope``, the key is ``(key, scope)``."""
+        if isinstance(model, tuple):
+            model = tuple(
                 self._digest(x) if isinstance(x, str) and os.path.isdir(x) else x
                 for x in model
             )
-        )
+        return repr(model if self.scope is None else (model, self.scope))
 
     def _digest(self, directory: str):
         """A digest of the names and contents of the files in ``directory``

@@ -78,6 +78,10 @@ def run(
             cli_args.prompt_cache_disk_bytes,
             cli_args.prompt_cache_queue_bytes,
         )
+        # Caches quantized otherwise are other entries: never served across.
+        disk.scope = f"--kv-bits {cli_args.kv_bits} --kv-group-size " + str(
+            cli_args.kv_group_size
+        )
         prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size)
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes

@@ -703,3 +703,22 @@ def test_a_replica_finds_what_another_wrote_after_it_started(load_tiny, tmp_path
     os.utime(tmp_path, ns=(0, 0))  # a changed directory, on any clock
     assert reader.fetch_nearest_cache(MODEL, PROMPT + EXTRA) == (None, PROMPT + EXTRA)
     assert len(reader.disk) == 0
+
+
+def test_entries_of_another_scope_are_other_entries(load_tiny, tmp_path):
+    """A server's --kv-bits is in every key: a server quantizing otherwise
+    never gets them."""
+    model, _ = load_tiny("llama")
+
+    def scoped(scope):
+        tier = disk(tmp_path)
+        tier.scope = scope
+        return tier
+
+    writer = scoped("--kv-bits 8")
+    writer.put(MODEL, PROMPT, prefilled(model, PROMPT, kv_bits=8))
+    writer.close()
+
+    assert scoped("--kv-bits 4").get(MODEL, PROMPT + EXTRA) is None
+    assert scoped(None).get(MODEL, PROMPT + EXTRA) is None
+    assert scoped("--kv-bits 8").get(MODEL, PROMPT + EXTRA)[1] == EXTRA

@@ -67,11 +67,15 @@ def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
         prompt_cache_dir=directory,
         prompt_cache_disk_bytes=999,
         prompt_cache_queue_bytes=1 << 20,
+        kv_bits=8,
+        kv_group_size=32,
     )
     assert isinstance(prompt_cache, DiskLRUPromptCache)
     assert prompt_cache.max_size == 7
     disk = prompt_cache.disk
     assert (disk.directory, disk.max_bytes) == (directory, 999)
+    assert disk.queue_bytes == 1 << 20
+    assert disk.scope == "--kv-bits 8 --kv-group-size 32"  # in every entry's key
     assert not disk._writer.is_alive()  # closed when run returned
 
 

@@ -13,8 +13,10 @@ under an ``flock`` of it, so replicas sharing it hold it together (two held
 7.77 MB against a 4 MB budget, each counting only its own files); the
 least recently used (oldest mtime) go first; temporary files a killed
 writer left are removed at the next count; on a full disk the oldest
-entries make room. A model key names the weights, not their path: a digest
-of the files of each local directory in it (``_model_key``).
+entries make room. A replica finds the files the others write when the
+directory changed (``_refresh``). A model key names the weights, not their
+path: a digest of the files of each local directory in it (``_model_key``),
+and what else shapes an entry (``scope``: a server's ``--kv-bits``).
 """
 
 import errno

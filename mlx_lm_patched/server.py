@@ -4,9 +4,19 @@ Its rotating caches (sliding-window layers, ``--max-kv-size``) step back
 ``SLACK`` tokens exactly after a wrap: a chat whose client re-renders the
 end of the previous answer differently still reuses the previous turn's
 cache (see ``rotating_prealloc``), where upstream prefills it all again.
+
+Stopped (SIGTERM, Ctrl-C), once upstream's ``main`` has returned (its
+generation thread joined, its prompt cache written), the server exits 0
+without Python's finalization, where MLX aborts at times ("terminate
+called without an active exception", exit -6, after the drain was logged:
+seen in one acceptance run on a loaded 2-core CPU; upstream's server does
+it too, with or without a disk tier).
 """
 
 import argparse
+import logging
+import os
+import sys
 
 from mlx_lm_patched._front import run
 
@@ -36,6 +46,10 @@ def checked_main():
 
     RotatingKVCache.slack = SLACK
     upstream_main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():

@@ -19,7 +19,8 @@ log counts it), read back where memory has less of a prompt, and found
 again after a restart, also after kill -9. Stopped with SIGTERM (systemd,
 docker, Kubernetes; upstream dies at once and keeps nothing) or Ctrl-C,
 the server writes the queue and what memory holds for at most
-``DiskPromptCache.drain_seconds`` (10 s), then exits 0.
+``DiskPromptCache.drain_seconds`` (10 s), then exits 0 (a second SIGTERM
+while it writes ends it at once).
 ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. The log gives both
 tiers' sizes before each request and which tier served how many of its
 tokens. Upstream's ``main`` builds its parser inline, so it is here whole,

@@ -2,21 +2,20 @@
 
 ``PromptCacheDir(directory, max_bytes)`` is what the disk tier
 (``prompt_cache_disk``) stands on: entry files named by a hash of their
-model key and tokens, found by a scan that opens only regular files with
-the entries' suffix, without following links, and reads each header with a
-bounded size (a FIFO once blocked a server's start forever, and a 3 GiB
-sparse file was read whole before any check). An entry is indexed only if
-its header's manifest digest (``_manifest``: every field but the
-checksums) matches; anything else is skipped with a warning naming the
-file. The byte budget is counted over every entry file in the directory
-under an ``flock`` of it, so replicas sharing it hold it together (two held
-7.77 MB against a 4 MB budget, each counting only its own files); the
-least recently used (oldest mtime) go first; temporary files a killed
-writer left are removed at the next count; on a full disk the oldest
-entries make room. A replica finds the files the others write when the
-directory changed (``_refresh``). A model key names the weights, not their
-path: a digest of the files of each local directory in it (``_model_key``),
-and what else shapes an entry (``scope``: a server's ``--kv-bits``).
+model key and tokens, found by a scan that opens only regular entry files,
+without following links, reading each header within a bound (a FIFO once
+blocked a server's start, a 3 GiB sparse file was read whole). An entry is
+indexed only if its header's manifest digest (``_manifest``: every field
+but the checksums) matches; anything else is skipped with a warning naming
+it. The budget is counted over every entry file under an ``flock`` of the
+directory, so replicas sharing it hold it together (two held 7.77 MB of a
+4 MB budget when each counted its own), oldest mtime first; a killed
+writer's temporary files go at the next count; on a full disk the oldest
+entries make room; replicas find each other's new files (``_refresh``). A
+model key names the weights (a digest of each local directory's files,
+``_model_key``) and ``scope`` (a server's ``--kv-bits``). An entry's data
+is read by several threads (``_read_arrays``), each checking what it read
+(CRC-32, finite floats); how fast restores went is kept (``read_rate``).
 """
 
 import errno
@@ -50,6 +49,14 @@ class PromptCacheDir:
     # Seconds an unlocked temporary file is left to its writer.
     temp_grace = 10.0
 
+    # Threads reading an entry's data; bytes a read at most (a multiple of 8).
+    read_threads = 8
+    read_chunk = 16 << 20
+
+    # Bytes a second a restore is taken to read (and verify, and build)
+    # before one is measured: an NVMe disk read in parallel.
+    read_prior = 2e9
+
     # safetensors dtype: MLX dtype
     dtypes = {
         "BOOL": "bool", "U8": "uint8", "U16": "uint16", "U32": "uint32",
@@ -71,8 +78,7 @@ class PromptCacheDir:
             ) from None
         self.directory = directory
         self.max_bytes = max_bytes
-        # What else shapes an entry (a server's --kv-bits): in every model key.
-        self.scope = None
+        self.scope = None  # what else shapes an entry: in every model key
         self._lock = threading.Lock()
         self._dir_lock = threading.Lock()
         self._trie = PromptTrie()
@@ -83,6 +89,8 @@ class PromptCacheDir:
         self._looked = (None, 0.0)  # the directory's mtime, when, at the last look
         self._unsound = set()  # (name, mtime, size) of files skipped with a warning
         self._digests = {}  # (directory, its files' stats) -> digest
+        self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
+        self._pool = (0, None)  # (read_threads, the threads reading entries)
         self._lock_dir()
         try:
             for name, entry in self._scan():
@@ -97,6 +105,19 @@ class PromptCacheDir:
     @property
     def nbytes(self):
         return self._n_bytes
+
+    @property
+    def read_rate(self):
+        """Bytes a second restores took, the recent ones weighing most;
+        ``read_prior`` until one is measured."""
+        return self._read[0] / self._read[1] if self._read[1] else self.read_prior
+
+    @staticmethod
+    def _observe(totals: list, amount: float, seconds: float):
+        """Fold ``amount`` done in ``seconds`` into ``totals`` ([amount,
+        seconds]), what was there weighing half."""
+        totals[0] = totals[0] / 2 + amount
+        totals[1] = totals[1] / 2 + seconds
 
     @staticmethod
     def _name(model: str, tokens: List[int]):
@@ -188,34 +209,28 @@ class PromptCacheDir:
         return [(name, entry) for _, name, entry in sorted(found)]
 
     def _refresh(self):
-        """Index the entry files other processes wrote since the last look,
-        forget those they removed: only when the directory changed (or the
-        last look is a second old: coarse clocks). Files appear whole (each
-        is renamed into place), so a read is never torn."""
+        """Index the files other processes wrote (renamed into place: never
+        torn), forget those they removed; once the directory changed."""
         mtime = os.stat(self.directory).st_mtime_ns
         if self._looked[0] == mtime and time.monotonic() - self._looked[1] < 1:
             return
-        self._looked = (mtime, time.monotonic())
-        present = set()
+        self._looked, present = (mtime, time.monotonic()), set()
         for e in os.scandir(self.directory):
-            if not self._is_entry(e.name):
-                continue
-            present.add(e.name)
-            try:
-                st = os.lstat(e.path)
-                key = (e.name, st.st_mtime_ns, st.st_size)
-                if e.name in self._files or key in self._unsound:
-                    continue
-                entry = self._read_header(e.path)
-            except FileNotFoundError:
-                continue
-            except Exception as ex:
-                self._unsound.add(key)
-                logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
-                continue
-            with self._lock:
-                if e.name not in self._files:
-                    self._add(e.name, entry)
+            if self._is_entry(e.name):
+                present.add(e.name)
+                try:
+                    st = os.lstat(e.path)
+                    key = (e.name, st.st_mtime_ns, st.st_size)
+                    if e.name not in self._files and key not in self._unsound:
+                        entry = self._read_header(e.path)
+                        with self._lock:
+                            if e.name not in self._files:
+                                self._add(e.name, entry)
+                except FileNotFoundError:
+                    pass
+                except Exception as ex:
+                    self._unsound.add(key)
+                    logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
         with self._lock:
             self._forget(present)
 
@@ -238,12 +253,14 @@ class PromptCacheDir:
         except OSError:
             pass  # its writer holds it, or it is gone
 
-    def _read_header(self, path: str, full: bool = False):
+    def _read_header(self, path: str, full: bool = False, fd=None):
         """``(model, tokens, tokens it can trim, file bytes)`` from the
         header of the entry file ``path`` (with ``full``, the header too),
-        read without following links or blocking, at most ``header_limit``
-        bytes of it, every field checked."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        read without following links or blocking (or from ``fd``, open on
+        it), at most ``header_limit`` bytes of it, every field checked."""
+        own = fd is None
+        if own:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -254,7 +271,8 @@ class PromptCacheDir:
                 raise ValueError(f"a header of {n} bytes in a file of {size}")
             raw = os.pread(fd, n, 8)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         header = json.loads(raw)
         if not isinstance(header, dict) or not isinstance(
             header.get("__metadata__"), dict
@@ -306,6 +324,106 @@ class PromptCacheDir:
         entry = (model, tokens, int(trimmable), size)
         return (entry, header) if full else entry
 
+    def _read_arrays(self, fd: int, header: dict, each):
+        """Call ``each(key, bytes)`` for each array of the entry file open on
+        ``fd`` (``header``, its checked header), in file order, each as soon
+        as it is read: ``read_threads`` threads read ``read_chunk`` bytes at
+        a time into preallocated numpy buffers and check each chunk: its
+        CRC-32 (zlib releases the GIL) and, for floats, that no exponent is
+        all ones (NaN or infinite). Raises ``ValueError`` where a float is
+        not finite and, once all are read, where their CRC-32 is not the
+        header's (``_write``'s: the arrays' bytes in sorted key order, chunks
+        joined as zlib's ``crc32_combine`` joins them)."""
+        from concurrent.futures import ThreadPoolExecutor, wait
+
+        import numpy as np
+
+        base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        spans = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+        shifts = {}  # bytes -> _crc32_shift(bytes): a few sizes recur
+
+        def combine(crc1, crc2, n):
+            if n not in shifts:
+                shifts[n] = self._crc32_shift(n)
+            return self._crc32_times(shifts[n], crc1) ^ crc2
+
+        # safetensors dtype: its bits, and the exponent all ones in NaN and inf
+        floats = {
+            "BF16": np.array(0x7F80, np.uint16),
+            "F16": np.array(0x7C00, np.uint16),
+            "F32": np.array(0x7F800000, np.uint32),
+            "F64": np.array(0x7FF0000000000000, np.uint64),
+        }
+
+        def read(key, view, at):
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], at + done)
+                if n == 0:
+                    raise ValueError("it was truncated while it was read")
+                done += n
+            exponent = floats.get(header[key]["dtype"])
+            if exponent is not None:
+                bits = np.frombuffer(view, exponent.dtype)
+                if (bits & exponent).max(initial=0) == exponent:
+                    raise ValueError(f"array {key} holds NaN or infinite values")
+            return zlib.crc32(view)
+
+        if self._pool[0] != self.read_threads:  # kept: threads take ms to start
+            self._pool = (self.read_threads, ThreadPoolExecutor(self.read_threads))
+        pool, futures = self._pool[1], []
+        try:
+            jobs, crcs = [], {}
+            for k, (start, stop) in sorted(spans.items(), key=lambda x: x[1]):
+                data = np.empty(stop - start, np.uint8)
+                view, step = memoryview(data), self.read_chunk
+                parts = [
+                    (pool.submit(read, k, view[i : i + step], base + start + i),
+                     len(view[i : i + step]))
+                    for i in range(0, len(data), step)
+                ]  # fmt: skip
+                jobs.append((k, data, parts))
+                futures += [part for part, _ in parts]
+            for i, (k, data, parts) in enumerate(jobs):
+                jobs[i], crcs[k] = None, 0  # its buffer freed once used
+                for part, n in parts:
+                    crcs[k] = combine(crcs[k], part.result(), n)
+                each(k, data)
+        finally:  # on any error, no thread reads ``fd`` once this returns
+            for part in futures:
+                part.cancel()
+            wait(futures)
+        crc = 0
+        for k in sorted(crcs):
+            crc = combine(crc, crcs[k], spans[k][1] - spans[k][0])
+        if crc != int(header["__metadata__"].get("0.crc32", "-1")):
+            raise ValueError("its data does not match its CRC-32")
+
+    @staticmethod
+    def _crc32_times(a: int, b: int):
+        """``a`` times ``b`` modulo the CRC-32 polynomial, bit-reflected (x^0
+        is 1 << 31): CRC-32 of ``A + B`` is ``crc(A)`` times x^(8 len(B))
+        plus ``crc(B)``, as zlib's ``crc32_combine`` computes it."""
+        p, m = 0, 1 << 31
+        while a:
+            if a & m:
+                p, a = p ^ b, a ^ m
+            m >>= 1
+            b = (b >> 1) ^ 0xEDB88320 if b & 1 else b >> 1
+        return p
+
+    @classmethod
+    def _crc32_shift(cls, n: int):
+        """x^(8n) modulo the CRC-32 polynomial: what ``n`` bytes shift by."""
+        product, power = 1 << 31, 1 << 23  # x^0, x^8
+        while n:
+            if n & 1:
+                product = cls._crc32_times(power, product)
+            n >>= 1
+            if n:
+                power = cls._crc32_times(power, power)
+        return product
+
     def _add(self, name: str, entry: tuple):
         if name in self._files:
             self._drop(name)
@@ -318,9 +436,8 @@ class PromptCacheDir:
 
     def _forget(self, present: set):
         """Drop the entries another process removed: written, not in ``present``."""
-        for name in [n for n in self._files if n not in present]:
-            if name not in self._pending:
-                self._drop(name)
+        for name in set(self._files) - present - set(self._pending):
+            self._drop(name)
 
     def _shrink(self, free: int = 0):
         """Count every entry file in the directory (other processes' too)

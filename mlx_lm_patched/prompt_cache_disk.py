@@ -9,20 +9,22 @@ dequantize and cast to float16 before writing, which changes the tokens.
 
 ``DiskPromptCache(directory, max_bytes)`` keeps prompt caches as files
 ``load_prompt_cache`` reads, in a ``PromptCacheDir`` (``prompt_cache_dir``:
-the names, the manifest, the scan, the shared budget). ``put`` only queues
-the entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
-which another thread cannot do, bfloat16 viewed as its bits, quantized
-caches as their packed triples, nothing upcast or copied) and returns (a
-524 MB entry took 1,160 ms when ``put`` copied it to host itself); a
-background thread reads them and writes the file (a locked temporary file
-renamed into place). Held by the queue, the arrays cannot be donated to an
-update, so they stay as queued. The queue holds at most ``queue_bytes``:
-an entry past it is not written (``dropped``, warned). ``get`` serves a
-queued entry from its arrays; ``close(timeout)`` writes the queue in a
-bounded time.
+the names, the manifest, the scan, the shared budget). ``put`` queues the
+entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
+which another thread cannot do; bfloat16 as its bits, quantized caches as
+their packed triples, nothing upcast or copied) and returns (a 524 MB entry
+took 1,160 ms when ``put`` copied it itself); a thread copies and writes
+them (a locked temporary file renamed into place). Held, they cannot be
+donated to an update. The queue holds at most ``queue_bytes`` (past it, an
+entry is ``dropped``, warned); ``get`` serves queued entries;
+``close(timeout)`` writes the queue in a bounded time.
 ``get`` returns the longest stored prefix of a prompt (or a longer entry
 trimmed to it, as ``LRUPromptCache.fetch_nearest_cache`` does) as a working
-cache, bit for bit, and the tokens left to prefill.
+cache, bit for bit, and the tokens left to prefill. It reads the file in
+parallel threads, checking each chunk as it lands (``_read_arrays``), and
+copies each array into MLX while the next are read: a 268 MB entry read
+from the page cache took a median 0.36-0.72 s here, 1.59-1.79 s before
+(2 loaded CPU cores).
 
 An entry is served only if everything that shapes it is verified: its
 manifest digest covers every header field (dtypes, shapes, offsets, tokens,
@@ -37,7 +39,11 @@ that queues every entry it stores for ``disk`` as it stores it (write-behind:
 a server killed a few seconds later keeps it), again when it evicts it
 (``_evict``, ``prompt_cache_store``) if it is not on disk by then (a dropped
 write), and, where memory holds less of a prompt than the disk tier, serves
-it from there. Each fetch logs which tier served how many tokens.
+it from there, if reading it is expected to be faster than prefilling what
+it saves (measured restores against measured prefills): on a GPU, a
+prefill can beat the disk (issue #27: 0.96 s of prefill against a 3.31 s
+restore of a 16k-token Llama-8B-shape prefix). Each fetch logs which tier
+served how many tokens.
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -243,64 +249,65 @@ class DiskPromptCache(PromptCacheDir):
     def _load(self, name: str):
         """The cache in file ``name``, or ``None`` (warned) if it is not sound:
         its header must be the one indexed and pass every check, its data
-        its CRC, each layer hold the tokens its header names."""
+        its CRC, each layer hold the tokens its header names. Its arrays
+        are read in parallel (``_read_arrays``) and each is copied into MLX
+        while the next are read; the time taken goes into ``read_rate``."""
         path = os.path.join(self.directory, name)
+        start = time.perf_counter()
         try:
-            import numpy as np
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:  # header and data from one open file: a rename cannot mix them
+                entry, header = self._read_header(path, full=True, fd=fd)
+                if entry != self._files.get(name):
+                    raise ValueError("it changed since it was indexed")
+                arrays = {}
 
-            entry, header = self._read_header(path, full=True)
-            if entry != self._files.get(name):
-                raise ValueError("it changed since it was indexed")
-            arrays, metadata = mx.load(path, return_metadata=True)
-            if metadata != header["__metadata__"] or any(
-                k not in header
-                or list(a.shape) != header[k]["shape"]
-                or a.dtype != getattr(mx, self.dtypes[header[k]["dtype"]])
-                for k, a in arrays.items()
-            ):
-                raise ValueError("it changed while it was read")
+                def build(k, data):  # to the device while more is read
+                    dtype = getattr(mx, self.dtypes[header[k]["dtype"]])
+                    bits = data.view(f"<u{dtype.size}").reshape(header[k]["shape"])
+                    arrays[k] = mx.array(bits).view(dtype)
+                    mx.async_eval(arrays[k])
+
+                self._read_arrays(fd, header, build)
+            finally:
+                os.close(fd)
             mx.eval(list(arrays.values()))
-            crc = 0
-            for k in sorted(arrays):  # as bits, as _write saw them
-                bits = getattr(mx, f"uint{8 * arrays[k].dtype.size}")
-                crc = zlib.crc32(np.asarray(arrays[k].view(bits)), crc)
-            if crc != int(metadata["0.crc32"]):
-                raise ValueError("its data does not match its CRC-32")
-            cache = _prompt_cache_from_arrays(arrays, metadata, path)[0]
+            metadata = header["__metadata__"]
+            cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
             for i, c in enumerate(cache):
                 offset = getattr(c, "offset", None)
                 if isinstance(offset, int) and offset != len(entry[1]):
                     raise ValueError(
                         f"layer {i} holds {offset} tokens, its header {len(entry[1])}"
                     )
+            self._observe(self._read, entry[3], time.perf_counter() - start)
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
             return None
 
-    def get(self, model: Any, tokens: List[int], cached: int = 0):
+    def get(self, model: Any, tokens: List[int], cached: int = 0, saves=None):
         """``(cache, tokens left to prefill)`` from the entry that reuses the
         most of ``tokens`` for ``model``, if it reuses more than ``cached``;
-        else ``None``."""
+        else ``None``. With ``saves(n, file bytes)``, the seconds restoring
+        a file that reuses ``n`` tokens saves, the entry that saves the most
+        (a shorter one, or a longer one trimmed back), if one saves any."""
         model = self._model_key(model)
         while True:
             with self._lock:
-                result = self._trie.search(model, tokens)
-                if result.exact is not None:
-                    stored, n = result.exact, len(tokens)
+                options = self._options(model, tokens)
+                if saves is None:
+                    options = [(n, n, s) for n, s in options if n > cached]
                 else:
-                    stored, longer = result.shorter, result.longer
-                    n = len(stored) if stored is not None else 0
-                    # A longer entry trimmed back, where it can be trimmed.
-                    prefix = min(len(tokens) - 1, result.common_prefix)
-                    if longer is not None and prefix > n:
-                        if (
-                            self._files[self._name(model, longer)][2]
-                            >= len(longer) - prefix
-                        ):
-                            stored, n = longer, prefix
-                if n <= cached:
+                    options = [
+                        (saves(n, self._files[self._name(model, s)][3]), n, s)
+                        for n, s in options
+                        if n > cached
+                    ]
+                    options = [x for x in options if x[0] > 0]
+                if not options:
                     return None
+                _, n, stored = max(options, key=lambda x: x[:2])
                 name = self._name(model, stored)
             cache = self._pending_cache(name) or self._load(name)
             expected = self._layouts.get(model)
@@ -327,6 +334,27 @@ class DiskPromptCache(PromptCacheDir):
             except OSError:
                 pass
             return cache, tokens[n:]
+
+    def _options(self, model: str, tokens: List[int]):
+        """``(tokens reused, stored tokens)`` of each entry that can serve
+        ``tokens``: every stored prefix of them, and the shortest longer
+        entry trimmed back to their common prefix, where it can be trimmed
+        (``LRUPromptCache.fetch_nearest_cache``'s candidates). Called with
+        the lock held."""
+        options, node = [], self._trie._trie.get(model, {})
+        for i in range(len(tokens) + 1):
+            if "__value__" in node:
+                options.append((i, tokens[:i]))
+            if i == len(tokens) or tokens[i] not in node:
+                break
+            node = node[tokens[i]]
+        result = self._trie.search(model, tokens)
+        prefix = min(len(tokens) - 1, result.common_prefix)
+        longer = result.longer
+        if longer is not None and result.exact is None and prefix > 0:
+            if self._files[self._name(model, longer)][2] >= len(longer) - prefix:
+                options.append((prefix, longer))
+        return options
 
     def flush(self):
         """Wait until every queued cache is written."""
@@ -355,26 +383,76 @@ class DiskPromptCache(PromptCacheDir):
 
 class DiskLRUPromptCache(LRUPromptCache):
     """An ``LRUPromptCache`` that writes what it stores to ``disk`` (a
-    ``DiskPromptCache``) and reads from it where memory has less."""
+    ``DiskPromptCache``) and reads from it where memory has less. With
+    ``bits``, files hold the entries as quantized at rest, dequantized on
+    fetch.
+
+    It restores only what is expected to be faster than recomputing: an
+    entry of ``b`` bytes that reuses ``n`` tokens where memory reuses
+    ``m`` is read only if ``b / disk.read_rate < (n - m) / prefill_rate``
+    (reading it takes less than prefilling what it saves), and of several
+    the one that saves the most (a shorter one, or a longer one trimmed
+    back). ``disk.read_rate`` is measured by every restore; ``prefill_rate``
+    (tokens a second) by ``observe_prefill`` or, read when a prompt is
+    fetched, ``prefill_counters`` (an object counting ``prompt_tokens`` and
+    ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Until
+    a prefill is measured, the entry reusing the most is restored.
+    """
 
     def __init__(
-        self, disk: "DiskPromptCache", max_size: int = 10, max_bytes: int = 1 << 63
+        self,
+        disk: "DiskPromptCache",
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        bits: Optional[int] = None,
+        group_size: int = 64,
     ):
-        LRUPromptCache.__init__(self, max_size, max_bytes)
+        LRUPromptCache.__init__(
+            self, max_size, max_bytes, bits=bits, group_size=group_size
+        )
         self.disk = disk
+        self.prefill_counters = None
+        self._counted = (None, 0, 0.0)  # counters, tokens and seconds seen
+        self._prefill = [0, 0.0]  # [tokens, seconds], each older weighing half
+
+    @property
+    def prefill_rate(self):
+        """Tokens a second prefills took, the recent ones weighing most;
+        ``None`` before one is measured."""
+        counters = self.prefill_counters
+        if counters is not None:
+            seen, tokens, seconds = self._counted
+            now = (counters, counters.prompt_tokens, counters.prompt_time)
+            if seen is not counters:
+                tokens, seconds = 0, 0.0
+            self._counted = now
+            if now[2] > seconds:
+                self.observe_prefill(now[1] - tokens, now[2] - seconds)
+        return self._prefill[0] / self._prefill[1] if self._prefill[1] else None
+
+    def observe_prefill(self, tokens: int, seconds: float):
+        """Count ``tokens`` prefilled in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.disk._observe(self._prefill, tokens, seconds)
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
         tier = "miss" if cache is None else "memory hit"
         if rest:
+            cached = len(tokens) - len(rest)
+            rate, read = self.prefill_rate, self.disk.read_rate
+            saves = (
+                None if rate is None else lambda n, b: (n - cached) / rate - b / read
+            )
             try:
                 self.disk._refresh()  # what replicas wrote
-                found = self.disk.get(model, tokens, cached=len(tokens) - len(rest))
+                found = self.disk.get(model, tokens, cached, saves)
             except Exception as e:  # a miss, never the generation thread's end
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")
                 found = None
             if found is not None:
-                (cache, rest), tier = found, "disk hit"
+                cache, rest, tier = self._working(found[0]), found[1], "disk hit"
         n = len(tokens) - len(rest)
         logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens")
         return cache, rest

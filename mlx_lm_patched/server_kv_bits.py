@@ -16,6 +16,10 @@ A request whose sampler or logits processor raises in a batch step (a
 leaves the batch (``_failing_alone``); upstream's step raised out of
 ``_generate`` and ended the generation thread with every request in it
 (see ``server_failures``).
+
+A prompt cache with a disk tier (``DiskLRUPromptCache``) is given the batch
+generator's prefill counters, from which it measures how fast prompts are
+prefilled and so whether a restore from disk pays (``prompt_cache_disk``).
 """
 
 from typing import TYPE_CHECKING
@@ -220,6 +224,9 @@ class ResponseGenerator:
                         kv_group_size=self.cli_args.kv_group_size,
                         quantized_kv_start=self.cli_args.quantized_kv_start,
                     )
+                    # The disk tier's cost model reads how fast it prefills.
+                    if hasattr(self.prompt_cache, "prefill_counters"):
+                        self.prompt_cache.prefill_counters = batch_generator._counters
                     unprocessed_requests.append((rqueue, request, args))
                     continue
 

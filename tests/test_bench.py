@@ -203,6 +203,16 @@ def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
     assert len(out["tokens"]) == 6
     # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16
     assert out["file_bytes"] > 2 * 2 * 2 * 16 * 300 * 2
+    # The cold read is named, the plain reader's bound and the cost model's
+    # choice given: on this CPU, restoring beats a prefill.
+    assert out["page_cache_drop"] in ("drop_caches", "fadvise")
+    assert out["bound_s"] > 0 and out["restore_vs_bound"] > 0
+    model = out["cost_model"]
+    assert model["prefill_tokens_per_s"] == out["prefill_tokens_per_s"]
+    assert model["choice"] == (
+        "restore" if model["expected_restore_s"] < model["expected_prefill_s"]
+        else "recompute"
+    )  # fmt: skip
 
 
 def test_disk_write_bench_writes_every_entry_it_puts(tmp_path):
@@ -246,7 +256,7 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     """On a tiny model: the reference row agrees with itself, a ring as large
     as the sequence changes nothing, a merged batch gives each row its single
     stream's tokens, a ring smaller than the context does change some, and
-    an 8-bit entry at rest leaves perplexity within 5%."""
+    an 8-bit entry at rest (full layers or rings) leaves perplexity within 5%."""
     from mlx_lm_patched.bench import quality
 
     path = make_tiny_dir("llama_sliding", vocab_size=512)
@@ -262,3 +272,8 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     # An entry quantized at rest (8-bit) and fetched back costs little.
     at_rest = rows["prompt cache entry at rest, 8-bit (half)"]
     assert at_rest[0] == pytest.approx(reference[0], rel=0.05)
+    # So does a ring's (wrapped, 16 of 48 tokens): as the bf16 ring's.
+    ring_at_rest = rows["entry at rest, 8-bit, ring 16 (half)"]
+    assert ring_at_rest[0] == pytest.approx(
+        rows["ring 16 (max_kv_size, keep 4)"][0], rel=0.05
+    )

@@ -49,6 +49,15 @@ def live(cache):
     return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
 
 
+def held(cache):
+    """Per layer: offset, ring slot, and the tokens its slots hold."""
+    return [
+        (c.offset, getattr(c, "_idx", 0))
+        + tuple(x[..., : min(c.offset, x.shape[2]), :] for x in (c.keys, c.values))
+        for c in cache
+    ]
+
+
 def disk(directory, max_bytes=1 << 63, **kwargs):
     from mlx_lm.models.cache import DiskPromptCache
 
@@ -262,6 +271,52 @@ def test_evicted_entries_are_read_back_where_upstream_has_none(load_tiny, tmp_pa
     mlx_lm_patched.revert()
     upstream = fetch_after_eviction(LRUPromptCache(max_size=1))
     assert upstream.fetch_nearest_cache(MODEL, first + EXTRA) == (None, first + EXTRA)
+
+
+@pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
+def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
+    bits, most, load_tiny, tmp_path, monkeypatch
+):
+    """With ``bits``, an evicted entry is written as it rests in memory
+    (quantized triples; sliding layers as quantized rings with their slack),
+    read back as that entry and fetched dequantized: the working cache a
+    fetch from memory gives, bit for bit, exact or trimmed back within the
+    slack; the file's arrays at most 0.55x / 0.30x of a bfloat16 tier's."""
+    from mlx_lm.models.cache import (
+        DiskLRUPromptCache,
+        LRUPromptCache,
+        RotatingKVCache,
+        load_prompt_cache,
+    )
+
+    monkeypatch.setattr(RotatingKVCache, "slack", 8)  # as the server's rings
+    model, _ = load_tiny("gemma3_text", dtype="bfloat16", head_dim=64)
+    first, second = PROMPT[:300], PROMPT[300:]
+    stored = {}
+    for name, at_rest in (("bf16", {}), ("quantized", {"bits": bits})):
+        tier = disk(tmp_path / name)
+        lru = DiskLRUPromptCache(tier, max_size=1, **at_rest)
+        lru.insert_cache(MODEL, first, prefilled(model, first))
+        lru.insert_cache(MODEL, second, prefilled(model, second))  # evicts first
+        tier.flush()
+        # Written behind, both are on disk: the evicted one is first's.
+        name_on_disk = tier._name(tier._model_key(MODEL), first)
+        stored[name] = load_prompt_cache(str(tmp_path / name / name_on_disk))
+        if at_rest:
+            ram = LRUPromptCache(bits=bits)
+            ram.insert_cache(MODEL, first, prefilled(model, first))
+            for prompt in (first + EXTRA, first[:297] + EXTRA):
+                got, rest = lru.fetch_nearest_cache(MODEL, prompt)
+                want, _ = ram.fetch_nearest_cache(MODEL, prompt)
+                assert rest == EXTRA and got[0].offset == len(prompt) - len(EXTRA)
+                assert [type(c) for c in got] == [type(c) for c in want]
+                assert {c.keys.dtype for c in got} == {mx.bfloat16}
+                assert same(held(got), held(want))
+        tier.close()
+    kinds = [type(c).__name__ for c in stored["quantized"]]
+    assert kinds == ["QuantizedRotatingKVCache", "QuantizedKVCache"] * 2
+    nbytes = {k: sum(c.nbytes for c in v) for k, v in stored.items()}
+    assert nbytes["quantized"] <= most * nbytes["bf16"]
 
 
 def test_a_failed_write_is_warned_and_the_tier_goes_on(load_tiny, tmp_path, caplog):
@@ -579,10 +634,10 @@ def test_put_queues_the_caches_own_buffers_not_a_host_copy(load_tiny, tmp_path):
         ).ctypes.data
 
     arrays = [a for c in entry.prompt_cache for a in c.state if isinstance(a, mx.array)]
-    held = {address(a) for a in arrays}
-    assert len(held) == 2 * len(cache)  # keys and values of every layer
+    shared = {address(a) for a in arrays}
+    assert len(shared) == 2 * len(cache)  # keys and values of every layer
     # The buffers memory holds, not copies.
-    assert held <= {address(a) for a in state.arrays.values()}
+    assert shared <= {address(a) for a in state.arrays.values()}
     lru.disk.close()
 
 
@@ -597,7 +652,7 @@ def test_a_queued_entry_is_served_before_its_file_exists(load_tiny, tmp_path):
     cache = prefilled(model, PROMPT)
     kept = copy.deepcopy(cache)
     tier = disk(tmp_path)
-    held = DirectoryHeld(tmp_path)
+    lock = DirectoryHeld(tmp_path)
     try:
         tier.put(MODEL, PROMPT, cache)
         model(mx.array(EXTRA)[None], cache=cache)  # the caller goes on using it
@@ -605,7 +660,7 @@ def test_a_queued_entry_is_served_before_its_file_exists(load_tiny, tmp_path):
         assert tier.queued == 1
         assert not [f for f in files(tmp_path) if f.endswith(".safetensors")]
     finally:
-        held.release()
+        lock.release()
     assert rest == EXTRA and same(live(restored), live(kept))
     tier.close()
     restored, rest = disk(tmp_path).get(MODEL, PROMPT + EXTRA)
@@ -621,12 +676,12 @@ def test_a_full_queue_drops_the_entry_and_counts_it(load_tiny, tmp_path, caplog)
     one = prompt_cache_state(caches[0]).nbytes  # what the queue holds of one
     tier = disk(tmp_path, queue_bytes=one + one // 2)
     caplog.set_level(logging.WARNING)
-    held = DirectoryHeld(tmp_path)
+    lock = DirectoryHeld(tmp_path)
     try:
         for tokens, cache in zip(prompts, caches):
             tier.put(MODEL, tokens, cache)
     finally:
-        held.release()
+        lock.release()
     tier.close()
 
     assert tier.dropped == 2
@@ -650,12 +705,12 @@ def test_an_entry_on_disk_is_not_written_again_when_memory_evicts_it(
     before = os.stat(tmp_path / name)
     # Writes happen as entries are stored: the second is queued, the first
     # (evicted by it) is not queued again.
-    held = DirectoryHeld(tmp_path)
+    lock = DirectoryHeld(tmp_path)
     try:
         lru.insert_cache(MODEL, second, prefilled(model, second))
         assert lru.disk.queued == 1 and len(lru) == 1
     finally:
-        held.release()
+        lock.release()
     lru.disk.close()
     after = os.stat(tmp_path / name)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -669,7 +724,7 @@ def test_close_with_a_timeout_gives_up_on_what_is_left_and_says_so(
     prompts = [[t] + PROMPT[:100] for t in (1, 2)]
     tier = disk(tmp_path)
     caplog.set_level(logging.WARNING)
-    held = DirectoryHeld(tmp_path)
+    lock = DirectoryHeld(tmp_path)
     try:
         for tokens in prompts:
             tier.put(MODEL, tokens, prefilled(model, tokens))
@@ -680,7 +735,7 @@ def test_close_with_a_timeout_gives_up_on_what_is_left_and_says_so(
         with pytest.raises(ValueError, match="after close"):
             tier.put(MODEL, PROMPT, prefilled(model, PROMPT))
     finally:
-        held.release()
+        lock.release()
     tier._writer.join(30)
     # The file being written when time ran out is finished, the rest is not.
     assert len(files(tmp_path)) == 1 and all(
@@ -722,3 +777,155 @@ def test_entries_of_another_scope_are_other_entries(load_tiny, tmp_path):
     assert scoped("--kv-bits 4").get(MODEL, PROMPT + EXTRA) is None
     assert scoped(None).get(MODEL, PROMPT + EXTRA) is None
     assert scoped("--kv-bits 8").get(MODEL, PROMPT + EXTRA)[1] == EXTRA
+
+
+# Restore that beats recompute (#27): entries read in parallel chunks, each
+# chunk's CRC-32 joined; a cost model restores only what reading saves.
+
+
+def test_chunk_crcs_joined_are_zlibs_crc32_of_the_whole():
+    import random
+    import zlib
+
+    from mlx_lm.models.cache import DiskPromptCache as D
+
+    rng = random.Random(0)
+    for _ in range(50):
+        a, b = (rng.randbytes(rng.randint(0, 5000)) for _ in range(2))
+        joined = D._crc32_times(D._crc32_shift(len(b)), zlib.crc32(a)) ^ zlib.crc32(b)
+        assert joined == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("chunk,threads", [(1000, 3), (4096, 1)])
+def test_an_entry_read_in_small_chunks_is_bit_exact_and_a_flipped_bit_is_refused(
+    chunk, threads, load_tiny, tmp_path, caplog
+):
+    model, _ = load_tiny("llama")
+    cache = prefilled(model, PROMPT)
+    path = one_entry(model, tmp_path, PROMPT)
+    tier = disk(tmp_path)
+    tier.read_chunk, tier.read_threads = chunk, threads
+    assert os.path.getsize(path) > 20 * chunk  # many chunks, several arrays
+
+    restored, rest = tier.get(MODEL, PROMPT + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(cache))
+
+    with open(path, "r+b") as f:  # one bit, in the middle of the data
+        f.seek(os.path.getsize(path) // 2 + 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 16]))
+    caplog.set_level(logging.WARNING)
+    assert tier.get(MODEL, PROMPT + EXTRA) is None
+    assert f"{path}: ValueError('its data does not match its CRC-32')" in caplog.text
+
+
+def restores(tier, cached=0, prefill_rate=None, read_rate=1e6):
+    """A ``DiskLRUPromptCache`` on ``tier`` that measured ``prefill_rate``
+    tokens a second and ``read_rate`` bytes a second: fixed numbers."""
+    from mlx_lm.models.cache import DiskLRUPromptCache
+
+    lru = DiskLRUPromptCache(tier)
+    tier._read = [read_rate, 1.0]
+    if prefill_rate is not None:
+        lru.observe_prefill(prefill_rate, 1.0)
+    return lru
+
+
+def test_cost_model_restores_what_saves_time_and_recomputes_otherwise(
+    load_tiny, tmp_path
+):
+    """Stored: 100 and 500 tokens of PROMPT; asked: 120 of them. Reading a
+    file of b bytes at R bytes/s saves (n / rate - b / R) seconds; the
+    option that saves the most is taken, none if none saves."""
+    model, _ = load_tiny("llama")
+    short, long = PROMPT[:100], PROMPT
+    written(tmp_path, (short, prefilled(model, short)), (long, prefilled(model, long)))
+    tier = disk(tmp_path)
+    b_short, b_long = (
+        tier._files[tier._name(repr(MODEL), t)][3] for t in (short, long)
+    )
+    prompt, R = PROMPT[:120] + EXTRA, 1e6
+    # Seconds a token of prefill takes where the short file starts to pay,
+    # and where the long one, trimmed to 120, pays more than the short one.
+    pays = b_short / R / 100
+    beats = (b_long - b_short) / R / 20
+    assert pays < beats
+
+    def served(seconds_per_token):
+        lru = restores(tier, prefill_rate=1 / seconds_per_token, read_rate=R)
+        cache, rest = lru.fetch_nearest_cache(MODEL, prompt)
+        return 0 if cache is None else cache[0].offset, len(rest)
+
+    assert served(pays / 2) == (0, len(prompt))  # recompute
+    assert served((pays + beats) / 2) == (100, len(prompt) - 100)  # the shorter
+    assert served(2 * beats) == (120, len(EXTRA))  # the longer, trimmed
+    # No prefill measured yet: the entry reusing the most, as before.
+    assert restores(tier).fetch_nearest_cache(MODEL, prompt)[0][0].offset == 120
+    # What memory holds counts: the short file saves nothing over it.
+    lru = restores(tier, prefill_rate=1 / ((pays + beats) / 2), read_rate=R)
+    lru.insert_cache(MODEL, short, prefilled(model, short))
+    assert lru.fetch_nearest_cache(MODEL, prompt)[1] == prompt[100:]
+
+
+def test_a_forced_recompute_gives_the_same_tokens_as_a_restore(load_tiny, tmp_path):
+    model, _ = load_tiny("llama")
+    written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
+    prompt = PROMPT + EXTRA
+
+    cache, rest = restores(disk(tmp_path)).fetch_nearest_cache(MODEL, prompt)
+    assert rest == EXTRA
+    restored = single_stream(model, rest, STEPS, cache=cache)[0]
+    # Prefill measured at a billion tokens a second: recomputing is cheaper.
+    slow_disk = restores(disk(tmp_path), prefill_rate=1e9)
+    assert slow_disk.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
+    assert single_stream(model, prompt, STEPS)[0] == restored
+
+
+def test_prefill_rate_is_read_from_a_batch_generators_counters(tmp_path):
+    from mlx_lm.generate_utils import BatchCounters
+
+    lru = restores(disk(tmp_path))
+    assert lru.prefill_rate is None
+    counters = BatchCounters()
+    lru.prefill_counters = counters
+    counters.prompt_tokens, counters.prompt_time = 3000, 2.0
+    assert lru.prefill_rate == 1500
+    # 1000 more in a second: the totals so far weigh half
+    counters.prompt_tokens, counters.prompt_time = 4000, 3.0
+    assert lru.prefill_rate == (3000 / 2 + 1000) / (2.0 / 2 + 1.0)
+    lru.prefill_counters = BatchCounters()  # a new generator counts from 0
+    lru.prefill_counters.prompt_tokens, lru.prefill_counters.prompt_time = 10, 1.0
+    assert lru.prefill_rate == (2500 / 2 + 10) / (2.0 / 2 + 1.0)
+    assert lru.prefill_rate == 630  # read once: nothing counted twice
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_a_resealed_file_holding_nan_or_inf_is_a_miss(
+    dtype, value, load_tiny, tmp_path, caplog
+):
+    """The reader checks floats as it reads them: a file whose CRC-32 and
+    manifest were recomputed around a NaN (or infinity) is still refused."""
+    import zlib
+
+    model, _ = load_tiny("llama", dtype=dtype)
+    path = one_entry(model, tmp_path)
+    header, body = read_header(path)
+    size = getattr(mx, dtype).size
+    bad = mx.array([value], getattr(mx, dtype)).view(getattr(mx, f"uint{8 * size}"))
+    start = header["1.0"]["data_offsets"][0] + 7 * size  # layer 1's keys, 8th
+    body = body[:start] + bad.item().to_bytes(size, "little") + body[start + size :]
+    crc = 0
+    for k in sorted(k for k in header if k != "__metadata__"):
+        a, b = header[k]["data_offsets"]
+        crc = zlib.crc32(body[a:b], crc)
+    header["__metadata__"]["0.crc32"] = str(crc)
+    path = write_header(path, header, body, reseal=True)
+    caplog.set_level(logging.WARNING)
+    tier = disk(tmp_path)
+    assert len(tier) == 1
+
+    assert tier.get(MODEL, PROMPT[:90] + EXTRA) is None
+    assert f"{path}: ValueError('array 1.0 holds NaN or infinite" in caplog.text
+    assert len(tier) == 0

@@ -19,6 +19,7 @@ MODULES = [
     "disk",
     "disk_write",
     "slack",
+    "rounds",
     "quality",
     "qdecode",
 ]

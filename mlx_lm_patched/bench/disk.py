@@ -8,9 +8,16 @@ temporary directory (``put`` on this thread, then the writer thread).
 ``restore`` is a fresh ``DiskPromptCache`` on that directory (the scan a
 restart does) and ``get`` of the prefix plus ``--question`` new tokens,
 evaluated; with ``--cold`` (the default) the file is first dropped from the
-page cache (``posix_fadvise``), so it is read from the disk. Both caches
-then decode ``--decode`` greedy tokens after the question: ``same_tokens``
-compares them. Patched only: upstream has no disk tier.
+page cache, so it is read from the disk (``page_cache_drop`` says how:
+``drop_caches``, ``os.sync()`` then ``/proc/sys/vm/drop_caches`` as root, or
+else ``fadvise``, ``posix_fadvise(DONTNEED)`` on the file). ``bound`` is the
+physical bound: the same file read cold by a plain parallel reader (the
+tier's threads and chunk size, no checksum, no MLX). ``cost_model`` is what
+a ``DiskLRUPromptCache`` that measured this prefill and this restore
+chooses for the same prompt (``restore`` or ``recompute``), and the times it
+expects. Both caches then decode ``--decode`` greedy tokens after the
+question: ``same_tokens`` compares them. Patched only: upstream has no disk
+tier.
 
     python -m mlx_lm_patched.bench.disk                      # CPU, 8 x 512
     python -m mlx_lm_patched.bench.disk --device gpu --layers 32 --hidden 4096 \\
@@ -22,10 +29,16 @@ import argparse
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import DiskPromptCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    DiskLRUPromptCache,
+    DiskPromptCache,
+    make_prompt_cache,
+)
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -64,13 +77,41 @@ def greedy(model, cache, tokens, n):
 
 
 def drop_from_page_cache(directory):
+    """Drop the files in ``directory`` from the page cache; say how."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
     for name in os.listdir(directory):
         fd = os.open(os.path.join(directory, name), os.O_RDONLY)
         try:
-            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return "fadvise"
+
+
+def read_parallel(path, threads, chunk):
+    """Read ``path`` whole into one buffer, ``chunk`` bytes a read in
+    ``threads`` threads: no checksum, no MLX. Returns the bytes read."""
+    data = np.empty(os.path.getsize(path), np.uint8)
+    view = memoryview(data)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(at):
+        part, done = view[at : at + chunk], 0
+        while done < len(part):
+            done += os.preadv(fd, [part[done:]], at + done) or len(part)
+        return done
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(read, range(0, len(data), chunk)))
+    finally:
+        os.close(fd)
 
 
 def run(args):
@@ -93,13 +134,27 @@ def run(args):
         write_s = time.perf_counter() - t
         tier.close()
         file_bytes = tier.nbytes
-        if args.cold:
-            drop_from_page_cache(d)
+        (name,) = os.listdir(d)
+        dropped = drop_from_page_cache(d) if args.cold else None
 
+        tier = DiskPromptCache(d)
+        tier.read_threads = args.read_threads
         t = time.perf_counter()
-        restored, rest = DiskPromptCache(d).get(MODEL_KEY, prefix + question)
+        restored, rest = tier.get(MODEL_KEY, prefix + question)
         mx.eval([c.state for c in restored])
         restore_s = time.perf_counter() - t
+
+        if args.cold:
+            drop_from_page_cache(d)
+        t = time.perf_counter()
+        read_parallel(os.path.join(d, name), args.read_threads, tier.read_chunk)
+        bound_s = time.perf_counter() - t
+
+        # What the cost model, having measured both, chooses for this prompt.
+        lru = DiskLRUPromptCache(tier)
+        lru.observe_prefill(args.prefix, prefill_s)
+        read_rate, prefill_rate = tier.read_rate, lru.prefill_rate
+        chosen, _ = lru.fetch_nearest_cache(MODEL_KEY, prefix + question)
 
     expected = greedy(model, cache, question, args.decode)
     got = greedy(model, restored, rest, args.decode)
@@ -112,6 +167,18 @@ def run(args):
         "file_bytes": file_bytes,
         "restore_bytes_per_s": round(file_bytes / restore_s),
         "restore_speedup": round(prefill_s / restore_s, 2),
+        "page_cache_drop": dropped,
+        "read_threads": args.read_threads,
+        "bound_s": round(bound_s, 4),
+        "bound_bytes_per_s": round(file_bytes / bound_s),
+        "restore_vs_bound": round(restore_s / bound_s, 2),
+        "cost_model": {
+            "read_bytes_per_s": round(read_rate),
+            "prefill_tokens_per_s": round(prefill_rate, 1),
+            "expected_restore_s": round(file_bytes / read_rate, 4),
+            "expected_prefill_s": round(args.prefix / prefill_rate, 4),
+            "choice": "recompute" if chosen is None else "restore",
+        },
         "tokens_left_to_prefill": len(rest),
         "same_tokens": got == expected,
         "tokens": got,
@@ -140,6 +207,12 @@ def build_parser():
         action=argparse.BooleanOptionalAction,
         default=True,
         help="drop the file from the page cache before restoring (default: on)",
+    )
+    p.add_argument(
+        "--read-threads",
+        type=int,
+        default=DiskPromptCache.read_threads,
+        help="threads a restore and the plain reader read with",
     )
     p.add_argument("--device", choices=["cpu", "gpu"])
     p.add_argument("--out", help="also write the JSON here")

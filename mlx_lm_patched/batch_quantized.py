@@ -348,6 +348,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
             self.max_size, self.keep, self.group_size, self.bits, row.slack
         )
         cache.offset, cache._lo, cache._hi = row.offset, row._lo, row._hi
+        cache.checkpoints = row.checkpoints
         if row.keys is not None:
             # The row and its undo ring (its slack's evicted tokens), unpacked.
             for name in ("keys", "values", "_undo_keys", "_undo_values"):

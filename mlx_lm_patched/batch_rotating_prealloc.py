@@ -1,34 +1,31 @@
 """Preallocated, in-place ``BatchRotatingKVCache``.
 
-The batch twin of ``rotating_prealloc``: the ``max_size`` ring is allocated
-once per batch composition (``merge``, ``extend`` and ``filter`` change the
-number of rows, so they build a new ring); decode and chunks within the ring
-write into it in place. A chunk past the ring, and ``finalize`` after right
-padding, leave a ring of the same size copied from slices (each row's
-right-padding roll is known on the host): nothing is gathered. Chunks of 256
-tokens or more are pipelined a layer at a time (``_pipeline``), nothing else
-is evaluated.
+The batch twin of ``rotating_prealloc``: the ``max_size`` ring is allocated once
+per batch composition (``merge``, ``extend`` and ``filter`` change the number of
+rows, so they build a new ring); decode and chunks within the ring write into it
+in place. A chunk past the ring, and ``finalize`` after right padding, leave a
+ring of the same size copied from slices (each row's right-padding roll is known
+on the host): nothing is gathered. Chunks of 256 tokens or more are pipelined a
+layer at a time (``_pipeline``), nothing else is evaluated.
 
-Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)``
-does (upstream's batch cache has no ``keep``). With ``keep=0`` the saved
-state is upstream's eight items, which plain mlx-lm loads; ``keep`` is a
-ninth item only when it is not 0. Once every row holds ``keep`` tokens
-(counted on the host, no sync) updates skip the sinks: their dozen small ops
-a layer made a BatchGenerator decode step 2.0x upstream's on an H100 (27.8
-vs 13.6 ms, Llama-8B shape, 4 rows, ring 2048; 12.5 ms without them), and
-writing them never reads the ring, which would make MLX copy it.
+Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)`` does
+(upstream's batch cache has no ``keep``). With ``keep=0`` the saved state is
+upstream's eight items, which plain mlx-lm loads; ``keep`` is a ninth item only
+when it is not 0. Once every row holds ``keep`` tokens (counted on the host, no
+sync) updates skip the sinks: their dozen small ops a layer made a
+BatchGenerator decode step 2.0x upstream's on an H100 (27.8 vs 13.6 ms, Llama-8B
+shape, 4 rows, ring 2048; 12.5 ms without them), and writing them never reads
+the ring, which would make MLX copy it.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
-token), a loaded cache can be updated (upstream: ``AttributeError:
-_lengths``), and ``trim`` rejects negative counts and never makes a row's
-offset negative.
+token), a loaded cache can be updated (upstream: ``AttributeError: _lengths``),
+and ``trim`` rejects negative counts and never makes a row's offset negative.
 
-A batch with a ``slack`` keeps an undo ring over its columns while it
-decodes, as ``RotatingKVCache(slack=n)`` does (``_hold``); right padding and
-``trim`` reset it and it fills again over the next decode steps. Rows bring
-their slack and take their evicted tokens back out through
-``batch_rotating_rows``.
+A batch with a ``slack`` keeps an undo ring over its columns while it decodes,
+as ``RotatingKVCache(slack=n)`` does (``_hold``); right padding and ``trim``
+reset it and it fills again over the next decode steps. Rows bring their slack
+and take their evicted tokens back out through ``batch_rotating_rows``.
 """
 
 from typing import TYPE_CHECKING, List, Optional
@@ -64,6 +61,8 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks. ``_fewest``: at
     # most the fewest real tokens of any row, known without a sync; once it
     # reaches ``keep`` every row's sinks are full and updates skip them.
+    checkpoint_every = 0  # as RotatingKVCache's: see prompt_cache_checkpoints
+    checkpoints = ()
 
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
         if max_size < 1:
@@ -261,6 +260,8 @@ class BatchRotatingKVCache:
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
+        if self.checkpoint_every:
+            self._checkpoint(sinks, [c[..., drop + lead :, :] for c in seen], S)
         # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100, 4
         # prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB unpipelined
         # (the unbounded batch: 10.3), pipelined at 3.0 in the unbounded batch's
@@ -418,9 +419,9 @@ class BatchRotatingKVCache:
 
     @property
     def nbytes(self):
-        # The undo ring too: a server's prompt cache budgets by ``nbytes``.
+        # The undo ring and checkpoints too: a server's prompt cache budgets by it.
         held = self.keys, self.values, self._undo_keys, self._undo_values
-        return sum(x.nbytes for x in held if x is not None)
+        return sum(x.nbytes for x in (*held, *self.checkpoints) if x is not None)
 
     def is_trimmable(self):
         return self._offset < self.max_size - self.keep

@@ -61,6 +61,8 @@ class BatchRotatingKVCache:
             self._undo_values = self._undo_values[batch_indices]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
+        for c in self.checkpoints:
+            c.filter(batch_indices)
 
     def extend(self, other):
         """
@@ -102,6 +104,8 @@ class BatchRotatingKVCache:
         )
         self.offset = mx.concatenate([c.offset for c in caches])
         self.keys, self.values = keys, values
+        for c in self.checkpoints:  # the other rows join them empty
+            c.extend(type(c)(c.max_size, [0] * other.offset.shape[0], c.keep))
         self._offset = max(c._offset for c in caches)
         self._idx = self.keep + n
         self.rotated = False
@@ -145,6 +149,10 @@ class BatchRotatingKVCache:
                 row[..., slots, :] = undo[..., held, :]
                 setattr(cache, name, row)
             cache._lo, cache._hi = (lo, hi) if lo < hi else (0, 0)
+        if self.checkpoints:
+            rows = (c.extract(idx) for c in self.checkpoints)
+            cache.checkpoints = [c for c in rows if cache.keep < c.offset]
+            mx.eval([c.state for c in cache.checkpoints])  # not pinning the batch's
         return cache
 
     @classmethod

@@ -127,6 +127,13 @@ class LRUPromptCache:
                 cache = self._working_cache(cache_entry)
                 trim_prompt_cache(cache, num_to_trim)
                 return cache, tokens[prefix:]
+            # A wrapped ring's checkpoint instead (prompt_cache_checkpoints)
+            if any(getattr(c, "checkpoints", ()) for c in cache_entry.prompt_cache):
+                cache, at = self._from_checkpoint(
+                    cache_entry, len(result.longer), prefix
+                )
+                if at > short_length:
+                    return cache, tokens[at:]
 
         if short_length > 0:
             cache_entry = self._trie.get(result.model, result.shorter)

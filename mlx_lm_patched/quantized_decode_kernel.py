@@ -16,29 +16,22 @@ KV head keeps a running max, sum and output for the query heads of that KV
 head (each key read once for all of them), and a second kernel merges the
 ranges. Bits 4 and 8, group sizes 32/64/128, head dims up to 128 (80 as
 the cache pads it, to 96), boolean or additive mask arrays (a ring's sinks
-and wrap, a batch's padding) or "causal". ``decode_attention_reference`` is
-its arithmetic in ``mx`` ops, which tests check on CPU; ``python -m
-mlx_lm_patched.bench qdecode`` checks the kernel on a GPU. On an H100
-(Llama-8B shape, 4k / 16k / 32k tokens, 256 greedy steps) 8-bit decode
-went from 0.65 / 0.54 / 0.41x the bfloat16 cache's tokens per second to
-0.91 / 0.92 / 0.91x, 4 bits from 0.81 / 0.61 / 0.49x to 0.77 / 0.93 /
-0.99x, with the same greedy tokens at 16k and 32k (other runs on other
-H100s: 0.53-0.82x at 4k). The kernel's attention alone still takes
-1.3-1.6x the fused bfloat16 kernel's (0.12 against 0.077 ms a layer at
-32k), its host side 10x (0.025 against 0.003 ms), and the quantized
-cache's update costs about 2 ms a step more than ``KVCache``'s. ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps the old road.
+and wrap, a batch's padding) or "causal". ``quantized_decode_reference``
+has its arithmetic in ``mx`` ops, which tests check on CPU; ``python -m
+mlx_lm_patched.bench qdecode`` checks the kernel on a GPU. On H100s
+(Llama-8B shape, 4k / 16k / 32k tokens) 8-bit decode runs at 0.72-0.96x
+the bfloat16 cache's tokens per second, 4 bits 0.70-1.02x (the old road
+0.36-0.68x), with the old road's greedy tokens at 16k and 32k: a step is
+bound by the host (its Python and MLX's launches), which the quantized
+cache has more of. ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps the old road.
 Prefill chunks keep the road above. Metal and CPU are untouched.
 """
 
-import math
 import os
 
 import mlx.core as mx
 
 from ._registry import Patch, pasted_into, targets
-
-# The decode kernel, CUDA only (``use_decode_kernel``): see
-# ``quantized_decode_attention``.
 
 # Query rows (query heads of a KV head times queries) a block keeps at once.
 DECODE_ROWS = 4
@@ -48,14 +41,18 @@ DECODE_ROWS = 4
 # 32k 8-bit keys took 0.14 / 0.59 ms a layer, 0.16 / 0.89 that way (4 bits:
 # 0.15 / 0.59 against 0.17 / 0.80); past 8 untried.
 DECODE_MAX_QUERIES = 8
-# Blocks to aim for in the first kernel (the fastest of 128 to 1024 on an
-# H100, 4 to 8 query heads over 8 KV heads: fewer did not fill it).
+# Blocks to aim for in the first kernel (H100: fewer did not fill it).
 DECODE_BLOCKS = 256
 DECODE_MIN_KEYS = 64
-# Keys a group of lanes loads before using them (loads in flight), and
-# whether it loads the next ones before using these.
-DECODE_KEYS_PER_ITER = 4
+# Keys a group of lanes loads before using them (loads in flight), whether
+# it loads the next ones before using these, and dims a lane dequantizes (8
+# or 16: 16 halves a key's lanes, so its shuffles and exponentials). H100,
+# ncu, 32 query heads over 8, 32k keys, q8 / q4: 8 dims and 4 keys 87 / 84
+# us, 16 and 4 78 / 74, 16 and 2 74 / 73 (4k keys: 29, 32, 31); 512 or
+# 1024 blocks were slower.
+DECODE_KEYS_PER_ITER = 2
 DECODE_PREFETCH = True
+DECODE_DIMS_PER_LANE = 16
 
 _cuda_kernels = mx.cuda.is_available()
 
@@ -85,32 +82,33 @@ __device__ __forceinline__ void unpack8(const uint32_t* w, float* out) {
 }
 """
 
-# One block: 128 threads, groups of TPK lanes a key, 8 dims a lane; the
+# One block: 128 threads, groups of TPK lanes a key, DPL dims a lane; the
 # block's keys are [split * per, (split + 1) * per), its rows those of
 # blockIdx.z's chunk of DECODE_ROWS.
 _DECODE_PARTIAL = """
   constexpr int R = NREP * NQ;
   constexpr int WPT = BITS / 4;
+  constexpr int WPL = WPT * DPL / 8;
   constexpr int NG = 128 / TPK;
   constexpr int NRC = (R + RC - 1) / RC;
   const int split = blockIdx.x, n_splits = gridDim.x;
   const int kvh = blockIdx.y, b = blockIdx.z / NRC, rc = blockIdx.z % NRC;
   const int group = threadIdx.x / TPK, lane = threadIdx.x % TPK;
   const int kL = kw_shape[2], D = q_shape[3];
-  const int d0 = lane * 8;
+  const int d0 = lane * DPL;
   const bool active = d0 < W;
   const float sc = scale[0];
   const int per = (kL + n_splits - 1) / n_splits;
   const int k_begin = split * per, k_end = min(kL, k_begin + per);
 
-  float qr[RC][8], qsum[RC], m[RC], l[RC], acc[RC][8], accb[RC];
+  float qr[RC][DPL], qsum[RC], m[RC], l[RC], acc[RC][DPL], accb[RC];
 #pragma unroll
   for (int r = 0; r < RC; r++) {
     const int row = rc * RC + r;
     const int h = kvh * NREP + row / NQ, t = row % NQ;
     qsum[r] = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < DPL; i++) {
       const int d = d0 + i;
       float x = 0.f;
       if (row < R && d < D) {
@@ -127,8 +125,8 @@ _DECODE_PARTIAL = """
   }
 
   const int g = d0 / GS;
-  const uint32_t* kw_p = kw + b * kw_strides[0] + kvh * kw_strides[1] + lane * WPT * kw_strides[3];
-  const uint32_t* vw_p = vw + b * vw_strides[0] + kvh * vw_strides[1] + lane * WPT * vw_strides[3];
+  const uint32_t* kw_p = kw + b * kw_strides[0] + kvh * kw_strides[1] + lane * WPL * kw_strides[3];
+  const uint32_t* vw_p = vw + b * vw_strides[0] + kvh * vw_strides[1] + lane * WPL * vw_strides[3];
   const auto* ks_p = ks + b * ks_strides[0] + kvh * ks_strides[1] + g * ks_strides[3];
   const auto* kb_p = kb + b * kb_strides[0] + kvh * kb_strides[1] + g * kb_strides[3];
   const auto* vs_p = vs + b * vs_strides[0] + kvh * vs_strides[1] + g * vs_strides[3];
@@ -137,7 +135,7 @@ _DECODE_PARTIAL = """
   // A tile: KT keys and values of this group's lanes, loaded (with PF) an
   // iteration ahead of their use.
   struct Tile {
-    uint32_t kw[KT][WPT], vw[KT][WPT];
+    uint32_t kw[KT][WPL], vw[KT][WPL];
     float ks[KT], kb[KT], vs[KT], vb[KT];
   };
   auto load = [&](Tile& t, int base) {
@@ -146,7 +144,7 @@ _DECODE_PARTIAL = """
       const int k = base + group * KT + u;
       const bool ok = active && k < k_end;
 #pragma unroll
-      for (int j = 0; j < WPT; j++) {
+      for (int j = 0; j < WPL; j++) {
         t.kw[u][j] = ok ? kw_p[k * kw_strides[2] + j * kw_strides[3]] : 0u;
         t.vw[u][j] = ok ? vw_p[k * vw_strides[2] + j * vw_strides[3]] : 0u;
       }
@@ -173,14 +171,15 @@ _DECODE_PARTIAL = """
     float s[KT][RC];
 #pragma unroll
     for (int u = 0; u < KT; u++) {
-      float w[8];
-      unpack8<BITS>(kwv[u], w);
+      float w[DPL];
+#pragma unroll
+      for (int c = 0; c < DPL / 8; c++) unpack8<BITS>(&kwv[u][c * WPT], &w[c * 8]);
       const int k = base + group * KT + u;
 #pragma unroll
       for (int r = 0; r < RC; r++) {
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) dot += qr[r][i] * w[i];
+        for (int i = 0; i < DPL; i++) dot += qr[r][i] * w[i];
         float x = ksv[u] * dot + kbv[u] * qsum[r];
 #pragma unroll
         for (int off = TPK / 2; off > 0; off /= 2) {
@@ -217,12 +216,13 @@ _DECODE_PARTIAL = """
       l[r] *= c;
       accb[r] *= c;
 #pragma unroll
-      for (int i = 0; i < 8; i++) acc[r][i] *= c;
+      for (int i = 0; i < DPL; i++) acc[r][i] *= c;
     }
 #pragma unroll
     for (int u = 0; u < KT; u++) {
-      float w[8];
-      unpack8<BITS>(vwv[u], w);
+      float w[DPL];
+#pragma unroll
+      for (int c = 0; c < DPL / 8; c++) unpack8<BITS>(&vwv[u][c * WPT], &w[c * 8]);
 #pragma unroll
       for (int r = 0; r < RC; r++) {
         const float p = __expf(s[u][r] - m[r]);
@@ -230,14 +230,14 @@ _DECODE_PARTIAL = """
         const float ps = p * vsv[u];
         accb[r] += p * vbv[u];
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[r][i] += ps * w[i];
+        for (int i = 0; i < DPL; i++) acc[r][i] += ps * w[i];
       }
     }
     if constexpr (PF) cur = nxt;
   }
 
   // Merge the block's groups: max, then the rescaled sums and outputs.
-  __shared__ float sm[NG][RC], sl[NG][RC], so[RC][NG][TPK * 8];
+  __shared__ float sm[NG][RC], sl[NG][RC], so[RC][NG][TPK * DPL];
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < RC; r++) {
@@ -252,7 +252,7 @@ _DECODE_PARTIAL = """
     for (int j = 0; j < NG; j++) M = fmaxf(M, sm[j][r]);
     const float f = __expf(m[r] - M);
 #pragma unroll
-    for (int i = 0; i < 8; i++) so[r][group][d0 + i] = (acc[r][i] + accb[r]) * f;
+    for (int i = 0; i < DPL; i++) so[r][group][d0 + i] = (acc[r][i] + accb[r]) * f;
   }
   __syncthreads();
   const size_t part = ((size_t)(b * gridDim.y + kvh) * n_splits + split) * R;
@@ -273,31 +273,49 @@ _DECODE_PARTIAL = """
   }
 """
 
-# One block a (batch, KV head, row); one thread a dim.
+# One block a (batch, KV head, row); one thread a dim. The ranges' maxima
+# and weights are read at once (a thread a range), then the outputs, so
+# the loads wait for memory twice, not once a range.
 _DECODE_REDUCE = """
   constexpr int R = NREP * NQ;
-  const int d = threadIdx.x;
+  const int d = threadIdx.x, nt = blockDim.x;
   const int kvh = blockIdx.y / R, row = blockIdx.y % R, b = blockIdx.z;
   const int n_splits = m_part_shape[2];
   const size_t part = (size_t)(b * (gridDim.y / R) + kvh) * n_splits * R + row;
+  __shared__ float f[MAX_SPLITS], red[32];
   float M = LOWEST;
-#pragma unroll 8
-  for (int s = 0; s < n_splits; s++) M = fmaxf(M, m_part[part + s * R]);
-  float S = 0.f, O = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < n_splits; s++) {
-    const float f = __expf(m_part[part + s * R] - M);
-    S += l_part[part + s * R] * f;
-    O += o_part[(part + s * R) * W + d] * f;
+  for (int s = d; s < n_splits; s += nt) M = fmaxf(M, m_part[part + s * R]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+  if (d % 32 == 0) red[d / 32] = M;
+  __syncthreads();
+  M = red[0];
+  for (int w = 1; w < (nt + 31) / 32; w++) M = fmaxf(M, red[w]);
+  float S = 0.f;
+  for (int s = d; s < n_splits; s += nt) {
+    f[s] = __expf(m_part[part + s * R] - M);
+    S += l_part[part + s * R] * f[s];
   }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) S += __shfl_xor_sync(0xffffffffu, S, off);
+  __syncthreads();
+  if (d % 32 == 0) red[d / 32] = S;
+  __syncthreads();
+  S = 0.f;
+  for (int w = 0; w < (nt + 31) / 32; w++) S += red[w];
+  float O = 0.f;
+#pragma unroll 16
+  for (int s = 0; s < n_splits; s++) O += o_part[(part + s * R) * W + d] * f[s];
   if (d < D) {
     const int h = kvh * NREP + row / NQ, t = row % NQ;
     out[((b * (gridDim.y / R) * NREP + h) * NQ + t) * D + d] = T(S > 0.f ? O / S : 0.f);
   }
 """
 
+
 _decode_kernels = {}
 _decode_constants = {}
+_decode_launches = {}
 
 
 def _decode_kernel(name):
@@ -352,43 +370,35 @@ def use_decode_kernel(queries, bits) -> bool:
     )
 
 
-def quantized_decode_attention(
-    queries, q_keys, q_values, scale, mask, group_size, bits, splits=None
+def _decode_launch(
+    B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal, splits, dtype
 ):
-    """Attention of a few queries over a quantized cache, with the kernel."""
-    B, n_q_heads, L, D = queries.shape
-    n_kv_heads, kL = q_keys[0].shape[-3], q_keys[0].shape[-2]
+    """The two kernels' launch arguments for one shape, made once (a decode
+    step's Python is most of its time on a fast GPU)."""
+    key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
+    key += (splits, dtype, DECODE_KEYS_PER_ITER, DECODE_PREFETCH, DECODE_DIMS_PER_LANE)
+    if key in _decode_launches:
+        return _decode_launches[key]
     n_repeats = n_q_heads // n_kv_heads
-    width = q_keys[0].shape[-1] * 32 // bits
     rows = n_repeats * L
     rc = min(DECODE_ROWS, rows)
-    row_chunks = -(-rows // rc)
-    splits = splits or decode_splits(B, n_kv_heads, kL, row_chunks)
-    causal = isinstance(mask, str)
-    if mask is None or causal:
-        kind, mask = 0, _decode_constant(False, mx.bool_)
-    else:
-        kind = 1 if mask.dtype == mx.bool_ else 2
-        while mask.ndim < 4:
-            mask = mask[None]
-        mask = mx.broadcast_to(mask, (B, n_q_heads, L, kL))  # strides 0
-    template = [
-        ("BITS", bits),
-        ("GS", group_size),
-        ("W", width),
-        ("NREP", n_repeats),
-        ("NQ", L),
-        ("RC", rc),
-        ("MASK", kind),
-        ("CAUSAL", causal),
-        ("TPK", 1 << (width // 8 - 1).bit_length()),
-        ("KT", DECODE_KEYS_PER_ITER),
-        ("PF", DECODE_PREFETCH),
-    ]
-    o_part, m_part, l_part = _decode_kernel("partial")(
-        inputs=[queries, *q_keys, *q_values, mask, _decode_constant(scale, mx.float32)],
-        template=template,
-        grid=(splits * 128, n_kv_heads, B * row_chunks),
+    dpl = DECODE_DIMS_PER_LANE
+    partial = dict(
+        template=[
+            ("BITS", bits),
+            ("GS", group_size),
+            ("W", width),
+            ("NREP", n_repeats),
+            ("NQ", L),
+            ("RC", rc),
+            ("MASK", kind),
+            ("CAUSAL", causal),
+            ("DPL", dpl),
+            ("TPK", 1 << (-(-width // dpl) - 1).bit_length()),
+            ("KT", DECODE_KEYS_PER_ITER),
+            ("PF", DECODE_PREFETCH),
+        ],
+        grid=(splits * 128, n_kv_heads, B * -(-rows // rc)),
         threadgroup=(128, 1, 1),
         output_shapes=[
             (B, n_kv_heads, splits, rows, width),
@@ -397,70 +407,61 @@ def quantized_decode_attention(
         ],
         output_dtypes=[mx.float32] * 3,
     )
-    return _decode_kernel("reduce")(
-        inputs=[o_part, m_part, l_part],
-        template=[("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D)]
-        + [("T", queries.dtype)],
+    reduce = dict(
+        template=[("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
+        + [("MAX_SPLITS", max(splits, DECODE_BLOCKS))],
         grid=(width, n_kv_heads * rows, B),
         threadgroup=(width, 1, 1),
         output_shapes=[(B, n_q_heads, L, D)],
-        output_dtypes=[queries.dtype],
-    )[0]
-
-
-def decode_attention_reference(
-    queries, q_keys, q_values, scale, mask, group_size, bits, splits
-):
-    """What the kernel computes, in ``mx`` ops: keys and values dequantized
-    in float32, the queries (scaled, zero-padded to the cache's width) as
-    rows of their KV head, the keys cut into ``splits`` ranges of ``ceil(kL
-    / splits)``; each range's max (never below float32's lowest), sum of
-    exponentials and weighted values, merged by their maxima."""
-    B, n_q_heads, L, D = queries.shape
-    n_kv_heads, kL = q_keys[0].shape[-3], q_keys[0].shape[-2]
-    n_repeats = n_q_heads // n_kv_heads
-    keys, values = (
-        mx.dequantize(*x, group_size=group_size, bits=bits, dtype=mx.float32)
-        for x in (q_keys, q_values)
+        output_dtypes=[dtype],
     )
-    width = keys.shape[-1]
-    q = queries.astype(mx.float32) * scale
-    q = mx.pad(q, [(0, 0)] * 3 + [(0, width - D)])
-    q = mx.reshape(q, (B, n_kv_heads, n_repeats * L, width))
-    scores = q @ mx.swapaxes(keys, -1, -2)
-    if isinstance(mask, str):
-        mask = mx.arange(kL - L, kL)[:, None] >= mx.arange(kL)[None]
-    if mask is not None:
+    _decode_launches[key] = partial, reduce
+    return partial, reduce
+
+
+def quantized_decode_attention(
+    queries, q_keys, q_values, scale, mask, group_size, bits, splits=None
+):
+    """Attention of a few queries over a quantized cache, with the kernel."""
+    B, n_q_heads, L, D = queries.shape
+    _, n_kv_heads, kL, packed = q_keys[0].shape
+    rows = n_q_heads // n_kv_heads * L
+    splits = splits or decode_splits(
+        B, n_kv_heads, kL, -(-rows // min(DECODE_ROWS, rows))
+    )
+    causal = isinstance(mask, str)
+    if mask is None or causal:
+        kind, mask = 0, _decode_constant(False, mx.bool_)
+    else:
+        kind = 1 if mask.dtype == mx.bool_ else 2
         while mask.ndim < 4:
             mask = mask[None]
-        mask = mx.broadcast_to(mask, (B, n_q_heads, L, kL))
-        mask = mx.reshape(mask, (B, n_kv_heads, n_repeats * L, kL))
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, -math.inf)
-        else:
-            scores = scores + mask.astype(mx.float32)
-    per = -(-kL // splits)
-    pad = [(0, 0)] * 3 + [(0, per * splits - kL)]
-    scores = mx.pad(scores, pad, constant_values=-math.inf)
-    scores = mx.reshape(scores, (*scores.shape[:3], splits, per))
-    values = mx.pad(values, [(0, 0), (0, 0), (0, per * splits - kL), (0, 0)])
-    values = mx.reshape(values, (B, n_kv_heads, 1, splits, per, width))
-    m = mx.maximum(mx.max(scores, axis=-1), mx.finfo(mx.float32).min)
-    p = mx.exp(scores - m[..., None])
-    s = mx.sum(p, axis=-1)
-    o = (p[..., None, :] @ values)[..., 0, :]
-    M = mx.max(m, axis=-1, keepdims=True)
-    f = mx.exp(m - M)
-    S = mx.sum(s * f, axis=-1)
-    O = mx.sum(o * f[..., None], axis=-2)
-    out = mx.where(S[..., None] > 0, O / mx.where(S > 0, S, 1)[..., None], 0)
-    out = mx.reshape(out, (B, n_q_heads, L, width))[..., :D]
-    return out.astype(queries.dtype)
+        mask = mx.broadcast_to(mask, (B, n_q_heads, L, kL))  # strides 0
+    partial, reduce = _decode_launch(
+        B,
+        n_q_heads,
+        L,
+        D,
+        n_kv_heads,
+        packed * 32 // bits,
+        bits,
+        group_size,
+        kind,
+        causal,
+        splits,
+        queries.dtype,
+    )
+    scale = _decode_constant(scale, mx.float32)
+    parts = _decode_kernel("partial")(
+        inputs=[queries, *q_keys, *q_values, mask, scale], **partial
+    )
+    return _decode_kernel("reduce")(inputs=parts, **reduce)[0]
 
 
 # Written as they read in mlx_lm/models/base.py, and run from there.
 _decode_kernel = pasted_into("mlx_lm.models.base", _decode_kernel)
 _decode_constant = pasted_into("mlx_lm.models.base", _decode_constant)
+_decode_launch = pasted_into("mlx_lm.models.base", _decode_launch)
 decode_splits = pasted_into("mlx_lm.models.base", decode_splits)
 use_decode_kernel = pasted_into("mlx_lm.models.base", use_decode_kernel)
 quantized_decode_attention = pasted_into(
@@ -476,6 +477,7 @@ PATCH = Patch(
         os,
         _decode_kernel,
         _decode_constant,
+        _decode_launch,
         decode_splits,
         use_decode_kernel,
         quantized_decode_attention,
@@ -485,11 +487,13 @@ PATCH = Patch(
         DECODE_MIN_KEYS=DECODE_MIN_KEYS,
         DECODE_KEYS_PER_ITER=DECODE_KEYS_PER_ITER,
         DECODE_PREFETCH=DECODE_PREFETCH,
+        DECODE_DIMS_PER_LANE=DECODE_DIMS_PER_LANE,
         _cuda_kernels=_cuda_kernels,
         _DECODE_HEADER=_DECODE_HEADER,
         _DECODE_PARTIAL=_DECODE_PARTIAL,
         _DECODE_REDUCE=_DECODE_REDUCE,
         _decode_kernels=_decode_kernels,
         _decode_constants=_decode_constants,
+        _decode_launches=_decode_launches,
     ),
 )

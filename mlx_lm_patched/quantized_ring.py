@@ -119,7 +119,14 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         """``RotatingKVCache._update_past_ring`` on each quantized part, which
         is a ring of that layout itself: attention sees the last
         ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
-        seen = self._per_part(RotatingKVCache._update_past_ring, keys, values)
+        seen = self._per_part(
+            lambda ring, k, v: (ring._update_past_ring(k, v), ring.checkpoints),
+            keys,
+            values,
+        )
+        seen, taken = zip(*seen)
+        if self.checkpoint_every:
+            self._join_checkpoints(taken)
         return tuple(tuple(p) for p in zip(*seen))
 
     def update_and_fetch(self, keys, values):
@@ -206,7 +213,9 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         nothing, where it cannot trim ``n`` exactly."""
         if self.keys is None:
             return RotatingKVCache.trim(self, n)
-        return self._per_part(RotatingKVCache.trim, n)[0]
+        n = self._per_part(RotatingKVCache.trim, n)[0]
+        self.checkpoints = [c for c in self.checkpoints if c.offset <= self.offset]
+        return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """Already quantized: ``generate_step`` asks again after every step."""
@@ -254,7 +263,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             + (self._undo_keys or ())
             + (self._undo_values or ())
         )
-        return sum(x.nbytes for x in held)
+        return sum(x.nbytes for x in held + (*self.checkpoints,))
 
 
 class _RotatingKVCache:

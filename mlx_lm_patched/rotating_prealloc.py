@@ -185,6 +185,10 @@ class RotatingKVCache:
     # ``make_cache``), at most their window: a server sets it to reuse
     # prompts whose end is re-rendered.
     slack = 0
+    # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
+    # the window in ``checkpoints`` (``prompt_cache_checkpoints``); 0: none.
+    checkpoint_every = 0
+    checkpoints = ()
 
     def __init__(self, max_size, keep=0, slack=None):
         if max_size < 1:
@@ -249,6 +253,8 @@ class RotatingKVCache:
         self.keys, self.values = (
             _sinks_and_newest(c[..., : self.keep, :], c, self.max_size) for c in seen
         )
+        if self.checkpoint_every:
+            self._checkpoint(seen, self.offset - m + self.keep)
         _pipeline((*seen, self.keys, self.values), keys.shape[2])
         self.offset += keys.shape[2]
         self._idx = self.max_size
@@ -368,6 +374,7 @@ class RotatingKVCache:
             self.offset -= n
             self._idx = self.offset
             self._hi = min(self._hi, self.offset)
+            self.checkpoints = [c for c in self.checkpoints if c.offset <= self.offset]
             return n
         if n > self.trimmable_tokens():
             raise ValueError(
@@ -401,6 +408,7 @@ class RotatingKVCache:
             self._idx = self.keep + (self._idx - self.keep - n - 1) % ring + 1
         self.offset -= n
         self._hi = min(self._hi, self.offset)
+        self.checkpoints = [c for c in self.checkpoints if c.offset <= self.offset]
         return n
 
     def make_mask(
@@ -435,7 +443,7 @@ class RotatingKVCache:
         if self.keys is None:
             return 0
         held = self.keys, self.values, self._undo_keys, self._undo_values
-        return sum(x.nbytes for x in held if x is not None)
+        return sum(x.nbytes for x in (*held, *self.checkpoints) if x is not None)
 
 
 # Shared with the patches that use them: one object wherever it is installed.

@@ -4,6 +4,10 @@ Its rotating caches (sliding-window layers, ``--max-kv-size``) step back
 ``SLACK`` tokens exactly after a wrap: a chat whose client re-renders the
 end of the previous answer differently still reuses the previous turn's
 cache (see ``rotating_prealloc``), where upstream prefills it all again.
+They keep a checkpoint of their window every ``CHECKPOINT_EVERY`` tokens of
+a prompt (see ``prompt_cache_checkpoints``): a request that branches off a
+cached prompt past the window (an edited message) prefills from the nearest
+checkpoint before the branch, not from the start.
 
 Stopped (SIGTERM, Ctrl-C), once upstream's ``main`` has returned (its
 generation thread joined, its prompt cache written), the server exits 0
@@ -23,6 +27,8 @@ from mlx_lm_patched._front import run
 # A chat template's re-rendered tail (an end-of-turn marker, a stripped
 # space, a changed last word) is a few tokens.
 SLACK = 8
+# Four of them (``max_checkpoints``) cover the last 2,048 tokens of a prompt.
+CHECKPOINT_EVERY = 512
 
 
 def checked_main():
@@ -42,9 +48,14 @@ def checked_main():
     else:
         # With no caches to quantize, only the check runs.
         maybe_quantize_kv_cache([], 0, args.kv_group_size, args.kv_bits)
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+    from mlx_lm_patched import _registry
 
     RotatingKVCache.slack = SLACK
+    if _registry.is_applied("prompt_cache_checkpoints"):
+        RotatingKVCache.checkpoint_every = CHECKPOINT_EVERY
+        BatchRotatingKVCache.checkpoint_every = CHECKPOINT_EVERY
     upstream_main()
     logging.shutdown()
     sys.stdout.flush()

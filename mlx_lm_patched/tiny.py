@@ -9,6 +9,7 @@ the model ``make demo`` uses: trained, not random (``tiny_train``), cached.
 """
 
 import functools
+import hashlib
 import importlib
 import json
 import os
@@ -207,14 +208,21 @@ def home() -> Path:
 def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
     """The demo model: a small llama with sliding and full layers trained on
     the standard library's sources (``tiny_train``), trained once in a
-    subprocess (a minute or two on two cores) and reused while its config and
-    recipe stay the same."""
+    subprocess (a minute or two on two cores) and reused while its stamp
+    (``tiny_train.stamp()``: config, recipe, the trainer's source, Python's
+    and the libraries' versions) stays the same. By default it lives in
+    ``home()/demo-model-<digest of the stamp>``: each trainer finds its own
+    model, never one that another made."""
     from mlx_lm_patched import tiny_train
 
-    path = Path(path) if path is not None else home() / "demo-model"
+    stamp = tiny_train.stamp()
+    if path is None:
+        digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode())
+        path = home() / f"demo-model-{digest.hexdigest()[:12]}"
+    path = Path(path)
     if (path / "config.json").exists():
-        stamp = path / "training.json"
-        if stamp.exists() and json.loads(stamp.read_text()) == tiny_train.stamp():
+        made = path / "training.json"
+        if made.exists() and json.loads(made.read_text()) == stamp:
             return path
         shutil.rmtree(path)
     # Build beside the target and rename, so a concurrent reader never sees
@@ -225,9 +233,10 @@ def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
         # One BLAS thread: the same sums in the same order on every machine,
         # and no spinning threads on a shared CPU.
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        recipe = json.dumps(tiny_train.RECIPE)
+        recipe = json.dumps(stamp["recipe"])
         cmd = [sys.executable, "-m", "mlx_lm_patched.tiny_train", str(tmp)]
         subprocess.run(cmd + ["--recipe", recipe], env=env, check=True)
+        (tmp / "training.json").write_text(json.dumps(stamp, indent=2))
         tmp.rename(path)
     except OSError:
         pass  # another process won the race

@@ -8,6 +8,8 @@ Everything is seeded: the same standard library gives the same model.
 """
 
 import argparse
+import hashlib
+import inspect
 import json
 import sys
 import sysconfig
@@ -25,7 +27,7 @@ CONFIG = {
     "num_key_value_heads": 1,
     "head_dim": 64,
     "rms_norm_eps": 1e-5,
-    "vocab_size": 1024,
+    "vocab_size": 2048,
     "max_position_embeddings": 8192,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
@@ -33,10 +35,11 @@ CONFIG = {
     "layer_types": ["sliding_attention", "full_attention"],
 }
 RECIPE = {
-    "steps": 500,
+    "steps": 800,
     "batch": 8,
     "length": 256,
     "lr": 5e-3,
+    "lr_end": 0.0,
     "seed": 0,
 }
 HELD_OUT = 10  # every 10th standard library module is kept out of training
@@ -230,10 +233,10 @@ def train(ids, config=CONFIG, recipe=RECIPE, progress=None):
         start = rng.integers(0, len(ids) - t - 1, recipe["batch"])
         window = np.stack([ids[s : s + t + 1] for s in start])
         loss, grads = loss_and_grads(params, config, window[:, :-1], window[:, 1:])
-        warm = min(1.0, step / 20)
-        lr = (
-            recipe["lr"] * warm * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * step / steps)))
-        )
+        # Warm-up, then a cosine from ``lr`` down to ``lr * lr_end``.
+        end, warm = recipe["lr_end"], min(1.0, step / 20)
+        cosine = end + (1 - end) * 0.5 * (1 + np.cos(np.pi * step / steps))
+        lr = np.float32(recipe["lr"] * warm * cosine)
         for k, g in grads.items():
             mom[k] = b1 * mom[k] + (1 - b1) * g
             vel[k] = b2 * vel[k] + (1 - b2) * g * g
@@ -274,14 +277,29 @@ def build(path, config=CONFIG, recipe=RECIPE):
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tiny.write_tokenizer(path, tokenizer.to_str())
-    (path / "training.json").write_text(json.dumps(stamp(config, recipe), indent=2))
     return path
 
 
-def stamp(config=None, recipe=None):
-    """What a trained directory was made from (by default the current
-    ``CONFIG`` and ``RECIPE``): a directory made from another is stale."""
-    return {"config": config or CONFIG, "recipe": recipe or RECIPE}
+def stamp():
+    """What the demo model is made from: ``CONFIG``, ``RECIPE``, a digest of
+    the trainer's source (this module, ``tiny``'s tokenizer), and the
+    versions of Python (its standard library is the corpus) and of the
+    libraries that train it. A model made from another stamp is stale."""
+    import tokenizers
+
+    from mlx_lm_patched import tiny
+
+    source = Path(__file__).read_text() + "".join(
+        inspect.getsource(f) for f in (tiny.bpe_tokenizer, tiny.write_tokenizer)
+    )
+    return {
+        "config": CONFIG,
+        "recipe": RECIPE,
+        "trainer": hashlib.sha256(source.encode()).hexdigest(),
+        "python": sys.version,
+        "numpy": np.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
 def main(argv=None):

@@ -126,9 +126,10 @@ def test_pointer_is_stable_across_an_in_place_update():
     assert memory.pointer(a) != before
 
 
-def test_memory_method_counts_the_same_reallocations_as_pointer():
+def test_memory_method_counts_the_same_reallocations_as_pointer(capsys):
     small = TINY + ["--scenarios", "a", "--rounds", "1", "--warmup", "0"]
     by_pointer = memory.main(small + ["--realloc-method", "pointer"])
+    assert "scenario a: 100%" in capsys.readouterr().err  # its progress bar
     by_memory = memory.main(small + ["--realloc-method", "memory"])
     for side in ("upstream", "patched"):
         p = by_pointer["scenarios"]["a"][side]["reallocations_by_phase"]
@@ -156,13 +157,17 @@ def test_dispatch_knows_every_benchmark_module_and_refuses_others(capsys):
     assert "memory, quantized, soak, prompt_cache, e2e" in capsys.readouterr().err
 
 
-def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path):
+def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path, capsys):
     tiny = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 "
     tiny += "--vocab 100 --prompts 300 --chunk 128 --max-size 128 --decode 8 "
     tiny += "--kv-prompt 200 --kv-bits 8 --batch-prompts 90,60 --batch-new 3 "
     tiny += "--batch-max-kv 64 --rounds 1 --batch-rounds 1 --device cpu "
     tiny += "--only rotating_prealloc"
     assert bench.main(["e2e", *tiny.split(), "--out", str(tmp_path / "e2e.json")]) == 0
+    # Progress: a tqdm bar per measured scenario and for the interleaved decode.
+    err = capsys.readouterr().err
+    for bar in ("single 300:", "decode, interleaved:", "quantized 200:", "batch:"):
+        assert bar in err
     out = json.loads((tmp_path / "e2e.json").read_text())
     assert list(out)[:5] == HEADER and out["device"] == str(mx.Device(mx.cpu))
     token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head_dim, bf16
@@ -250,6 +255,19 @@ def test_slack_bench_decodes_every_ring_in_place():
     sides = [k for k in result if k.startswith(("upstream", "patched"))]
     assert sides == ["upstream", "patched_slack_0", "patched_slack_4"]
     assert all(result[k]["ring_buffers"] == 1 for k in sides)
+
+
+def test_checkpoints_bench_leaves_less_to_prefill_than_upstream():
+    from mlx_lm_patched.bench import checkpoints
+
+    small = "--window 64 --first 400 --shared 300 --every 128 --rounds 1 "
+    small += "--layers 1 --ring 256 --tokens 2048 --device cpu"
+    out = checkpoints.main(small.split())
+    assert list(out)[:5] == HEADER
+    assert out["upstream"]["left_to_prefill"] == out["main"]["left_to_prefill"] == 340
+    assert out["checkpoints"]["left_to_prefill"] == 340 - 256
+    assert out["checkpoints"]["max_abs_logit_diff"] <= 1e-5
+    assert out["checkpoints"]["bytes"] > 0 == out["main"]["bytes"]
 
 
 def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):

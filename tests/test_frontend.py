@@ -260,11 +260,29 @@ def test_demo_model_is_trained_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
     monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
     path = tiny.demo_model_dir()
-    assert path == tmp_path / "demo-model"
+    assert path.parent == tmp_path and path.name.startswith("demo-model-")
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert tiny.demo_model_dir() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-model"]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_model_from_another_trainer_is_never_used(tmp_path, monkeypatch):
+    """The default directory is named by the trainer's stamp: another
+    trainer's source, recipe or library versions get their own model, and
+    the one already there is left as it was."""
+    monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
+    monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
+    old = tiny.demo_model_dir()
+    made = (old / "model.safetensors").stat().st_mtime_ns
+    stamp = tiny_train.stamp()
+    newer = {**stamp, "trainer": "0" * 64}
+    monkeypatch.setattr(tiny_train, "stamp", lambda: newer)
+    path = tiny.demo_model_dir()
+    assert path != old and path.parent == tmp_path
+    assert json.loads((path / "training.json").read_text()) == newer
+    assert json.loads((old / "training.json").read_text()) == stamp
+    assert (old / "model.safetensors").stat().st_mtime_ns == made
 
 
 def test_demo_model_is_retrained_when_its_config_or_recipe_is_stale(

@@ -14,6 +14,7 @@ from ringref import fake_backend, random_kv, single_stream
 import mlx_lm_patched
 from mlx_lm_patched import quantized_decode_kernel as qa
 from mlx_lm_patched import tiny
+from mlx_lm_patched.quantized_decode_reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
 
@@ -54,7 +55,7 @@ def test_split_softmax_over_packed_keys_equals_dequantized_attention(
     queries = mx.array(rng.standard_normal((1, 2 * n_repeats, 1, D), dtype=np.float32))
     want = dequantized_attention(queries, q_keys, q_values, 0.1, None, group_size, bits)
     for splits in (1, 3, 7):
-        got = qa.decode_attention_reference(
+        got = decode_attention_reference(
             queries, q_keys, q_values, 0.1, None, group_size, bits, splits
         )
         assert close(got, want), splits
@@ -78,9 +79,7 @@ def test_a_wrapped_ring_s_mask_comes_in_as_an_array(L, bits):
         assert isinstance(mask, mx.array) and mask.dtype == mx.bool_
         assert not mx.all(mask).item()
     want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, bits)
-    got = qa.decode_attention_reference(
-        queries, q_keys, q_values, 0.1, mask, 64, bits, 5
-    )
+    got = decode_attention_reference(queries, q_keys, q_values, 0.1, mask, 64, bits, 5)
     assert close(got, want)
 
 
@@ -99,7 +98,7 @@ def test_a_padded_batch_s_mask_hides_each_row_s_padding(kind):
         mask = "causal"
     want = dequantized_attention(queries, q_keys, q_values, 0.1, mask, 64, 8)
     for splits in (1, 4, 9):  # 9: splits 0-4 all padding for row 1
-        got = qa.decode_attention_reference(
+        got = decode_attention_reference(
             queries, q_keys, q_values, 0.1, mask, 64, 8, splits
         )
         assert close(got, want), splits
@@ -111,6 +110,29 @@ def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
     assert qa.decode_splits(64, 8, 32768) == 1
     n = qa.decode_splits(1, 8, 1000)
     assert n * base.DECODE_MIN_KEYS <= 1000
+
+
+@pytest.mark.parametrize("width", [64, 96, 128])
+@pytest.mark.parametrize("dims_per_lane", [8, 16])
+def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_lane):
+    monkeypatch.setattr(base, "DECODE_DIMS_PER_LANE", dims_per_lane)
+    partial, reduce = qa._decode_launch(
+        1, 32, 1, width, 8, width, 8, 32, 0, False, 32, mx.bfloat16
+    )
+    t = dict(partial["template"])
+    lanes = t["TPK"]
+    assert lanes & (lanes - 1) == 0 and 128 % lanes == 0  # groups tile a block
+    assert lanes * dims_per_lane >= width > (lanes // 2) * dims_per_lane
+    assert dict(reduce["template"])["MAX_SPLITS"] >= 32  # the splits asked for
+
+
+def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
+    args = (1, 32, 1, 128, 8, 128, 4, 64, 0, False, 32, mx.bfloat16)
+    first = qa._decode_launch(*args)[0]
+    assert qa._decode_launch(*args)[0] is first
+    monkeypatch.setattr(base, "DECODE_KEYS_PER_ITER", 3)
+    other = qa._decode_launch(*args)[0]
+    assert other is not first and ("KT", 3) in other["template"]
 
 
 # Which calls reach the kernel.
@@ -153,7 +175,7 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
 
     def kernel(queries, q_keys, q_values, scale, mask, group_size, bits):
         calls.append(queries.shape[2])
-        return qa.decode_attention_reference(
+        return decode_attention_reference(
             queries, q_keys, q_values, scale, mask, group_size, bits, 3
         )
 

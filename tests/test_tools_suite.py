@@ -104,3 +104,40 @@ def test_the_unpatched_run_is_reused_only_for_the_same_selection():
     assert key == _baseline_key(list(files), [])
     assert key != _baseline_key(files[:1], [])
     assert key != _baseline_key(files, ["-k", "rotating"])
+
+
+@pytest.mark.parametrize("worse", [[], ["t.py::T::test_x: passed -> failed"]])
+def test_upstream_test_command_keeps_its_runs_only_when_one_is_worse(
+    worse, tmp_path, monkeypatch, capsys
+):
+    """``python -m tools test`` leaves nothing in the temporary directory
+    when no test does worse, and names the runs' directory when one does."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from tools import __main__ as cli
+
+    sdist = tmp_path / "sdist"
+    (sdist / "tests").mkdir(parents=True)
+    (sdist / "tests" / "test_prompt_cache.py").write_text("")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(cli, "sdist_tree", lambda: sdist)
+    monkeypatch.setattr(cli, "generate", lambda *a: SimpleNamespace(final={}))
+    monkeypatch.setattr(cli, "tree_with", lambda dest, files: dest)
+
+    def runs(work, *args):
+        (work / "unpatched.log").write_text("a run's log")
+        return worse, "the report"
+
+    monkeypatch.setattr(cli, "against_unpatched", runs)
+    assert cli.main(["test", "test_prompt_cache.py"]) == (1 if worse else 0)
+    left = list(temp.iterdir())
+    out = capsys.readouterr().out
+    assert "the report" in out
+    if worse:
+        assert len(left) == 1 and (left[0] / "unpatched.log").exists()
+        assert str(left[0]) in out
+    else:
+        assert left == []

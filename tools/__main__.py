@@ -14,6 +14,7 @@
 
 import argparse
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -87,14 +88,20 @@ def cmd_test(args) -> int:
             return 2
     series = generate(all_patches(), tree)
     work = Path(tempfile.mkdtemp(prefix="mlx-lm-upstream-tests-"))
-    tests = {rel: t for rel, t in series.final.items() if not is_source(rel)}
-    patched_tests = tree_with(work / "patched-tests", tests)
-    extra = ["-k", args.k] if args.k else []
-    worse, report = against_unpatched(
-        work, "monkeypatched", patched_tests, True, files, extra
-    )
-    print(report)
-    print(f"logs: {work}")
+    worse = True
+    try:
+        tests = {rel: t for rel, t in series.final.items() if not is_source(rel)}
+        patched_tests = tree_with(work / "patched-tests", tests)
+        extra = ["-k", args.k] if args.k else []
+        worse, report = against_unpatched(
+            work, "monkeypatched", patched_tests, True, files, extra
+        )
+        print(report)
+    finally:
+        if worse:
+            print(f"logs (each run's): {work}")
+        else:  # nothing to look into: leave nothing behind in /tmp
+            shutil.rmtree(work, ignore_errors=True)
     return 1 if worse else 0
 
 

@@ -193,7 +193,6 @@ def compare_runs(
     for run in (base, patched):
         if run.returncode not in (0, 1):
             lines.append(f"note: the {run.label} run exited {run.returncode}")
-        lines.append(f"log of the {run.label} run: {run.log}")
     return worse, "\n".join(lines)
 
 

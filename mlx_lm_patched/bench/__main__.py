@@ -22,6 +22,7 @@ MODULES = [
     "rounds",
     "quality",
     "qdecode",
+    "checkpoints",
 ]
 
 

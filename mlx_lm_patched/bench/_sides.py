@@ -6,15 +6,12 @@ the rest is the median round's. Ratios and targets compare the results."""
 import contextlib
 import gc
 import json
-import sys
-import time
 
 import mlx.core as mx
 import numpy as np
+from tqdm import tqdm
 
 import mlx_lm_patched
-
-START = time.perf_counter()
 
 
 def _switch(*patches):
@@ -44,16 +41,14 @@ def measure(sides, rounds, log):
     alternating order; a side that raises records its error."""
     runs = {name: [] for name in sides}
     errors = {}
+    bar = tqdm(total=(rounds + 1) * len(sides), desc=log, unit="run", leave=False)
     for r in range(-1, rounds):  # round -1 warms up: kernels, graphs, pools
         for name in list(sides)[:: 1 if r % 2 else -1]:
+            bar.update()
             if name in errors:
                 continue
             switch, run = sides[name]
-            print(
-                f"[e2e] {time.perf_counter() - START:7.1f} s {log} {name} round {r}",
-                file=sys.stderr,
-                flush=True,
-            )
+            bar.set_postfix_str(f"{name}, round {r}")
             try:
                 with switch():
                     out = run()
@@ -63,6 +58,7 @@ def measure(sides, rounds, log):
                 continue
             if r >= 0:
                 runs[name].append(out)
+    bar.close()
     result = {}
     for name in sides:
         if name in errors:

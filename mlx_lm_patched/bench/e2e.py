@@ -43,6 +43,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+from tqdm import tqdm
 
 import mlx_lm_patched
 
@@ -173,7 +174,7 @@ def interleaved_decode(model, args, prompt, blocks=48, steps=16):
             )
             next(gens[name])
         times[name] = []
-    for b in range(blocks):
+    for b in tqdm(range(blocks), "decode, interleaved", unit="block", leave=False):
         for name in list(sides)[:: 1 if b % 2 else -1]:
             with sides[name]():
                 mx.synchronize()

@@ -30,12 +30,12 @@ another buffer (writing into the old one would need a sync in the model).
 
 import argparse
 import gc
-import sys
 import time
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+from tqdm import tqdm
 
 import mlx_lm_patched
 
@@ -229,17 +229,20 @@ def run_scenario(args, scenario, token_bytes):
             run_side(args, scenario, warm, token_bytes)
     figs = {name: [] for name in sides}
     traces = {}
+    bar = tqdm(total=args.rounds * len(sides), desc=f"scenario {scenario}", leave=False)
     for r in range(args.rounds):
         # Alternate the order (upstream, patched, patched, upstream, ...) so
         # drift over the run does not favour either side.
         for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
             sides[name]()
-            print(f"[memory] {scenario}: {name} round {r}", file=sys.stderr, flush=True)
+            bar.set_postfix_str(f"{name}, round {r}")
             fig, trace = run_side(args, scenario, plan, token_bytes)
             figs[name].append(fig)
             traces.setdefault(name, trace)
             dec = np.array(trace["phase"]) == "decode"
             fig["decode_ms"] = np.array(trace["ms"])[dec]
+            bar.update()
+    bar.close()
     for name in sides:
         pooled = np.concatenate([f.pop("decode_ms") for f in figs[name]])
         res[name] = _merge(figs[name])

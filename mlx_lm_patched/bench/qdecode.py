@@ -42,6 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
 from mlx_lm_patched import quantized_decode_kernel as qa
+from mlx_lm_patched.quantized_decode_reference import decode_attention_reference
 
 from . import emit, header, parse_args
 from ._qdecode_timing import (
@@ -105,7 +106,7 @@ def check(args):
         out = qa.quantized_decode_attention(
             queries, q_keys, q_values, 0.088, mask, gs, bits
         )
-        ref = qa.decode_attention_reference(
+        ref = decode_attention_reference(
             queries, q_keys, q_values, 0.088, mask, gs, bits, splits
         )
         m = mask
@@ -206,6 +207,13 @@ def run_side(args):
             "prefill_peak": prefill_peak,
             "decode_tok_s": round((len(tokens) - 1) / decode_s, 2),
             "decode_tok_s_median_step": round(1 / float(np.median(steps)), 2),
+            # Where the mean and the median part: the slowest steps (index, ms).
+            "step_ms_p90": round(1e3 * float(np.percentile(steps, 90)), 3),
+            "slow_steps": [
+                (i, round(1e3 * s, 2))
+                for i, s in enumerate(steps)
+                if s > 1.5 * np.median(steps)
+            ][:20],
             "tokens": tokens,
         }
         print(

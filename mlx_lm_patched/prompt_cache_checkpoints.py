@@ -1,0 +1,189 @@
+"""Window checkpoints: a prompt that branches where a ring has wrapped.
+
+A wrapped ring (a sliding layer of gemma3-like models, a ``--max-kv-size``
+ring) has forgotten its oldest tokens, so a stored prompt cache cannot be
+trimmed back past its slack: a request that shares the first 1,200 tokens of
+a cached 1,500-token prompt on gemma3_text (window 256) prefilled all 1,240
+of its tokens again, upstream and here (issue #28; llama.cpp keeps
+``--ctx-checkpoints`` for the same reason).
+
+With ``RotatingKVCache.checkpoint_every = n`` (and ``BatchRotatingKVCache``'s;
+0, the default, takes none; ``mlx_lm_patched.server`` sets 512), a
+multi-token update that reaches a multiple of ``n`` keeps a copy of the
+window at that position in the ring's ``checkpoints``, at most
+``max_checkpoints`` (4), the newest. A checkpoint is cut from what
+attention reads anyway (the sinks, the last window and the chunk), so any
+prefill chunking works and nothing is evaluated on its own: the copy (one
+window a layer, lazily) is a dependency of the new ring, evaluated with it.
+It must be a copy: the ring is written in place, and a reference would make
+MLX copy the whole ring at the next write instead. A trim drops the
+checkpoints past the new end, ``nbytes`` counts them, and entries of
+``LRUPromptCache`` keep them (inside ``max_bytes``; each is a window a
+rotating layer: a Llama-8B-shaped stack of 4,096-token rings holds 512 MiB
+a checkpoint, so up to 2 GiB more a cache): where the longer entry
+cannot be trimmed back to a request's common prefix, ``fetch_nearest_cache``
+restores the newest position at or before it that every layer can give (a
+ring its checkpoint, a ``KVCache`` a trim) and the request prefills from
+there.
+
+Batched rings take checkpoints at multiples of ``n`` columns of the batch's
+timeline (rows take them at their own positions); ``extract`` hands each row
+its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
+empty rows (a copy of each), and an update with right padding (prompts of
+other lengths prefilled together) gives a row none past its own tokens. Quantized rings,
+single and batched, keep quantized checkpoints. Not kept: the disk tier's
+files, and the checkpoints of rows merged into a batch.
+"""
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from ._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    from .prompt_cache_store import _copy_cache
+
+
+# Written as they would read in mlx_lm/models/cache.py, and run there.
+class RotatingKVCache:
+    max_checkpoints = 4
+
+    def _checkpoint(self, seen, first):
+        """Keep the window at each multiple of ``checkpoint_every`` this
+        update reaches; ``seen`` holds the sinks, then positions from ``first``."""
+        every, keep = self.checkpoint_every, self.keep
+        end = first + seen[0].shape[2] - keep
+        taken = [c for c in self.checkpoints if c.offset <= self.offset]
+        new = []
+        positions = range((max(self.offset, keep) // every + 1) * every, end + 1, every)
+        for p in positions[-self.max_checkpoints :]:
+            j = p - first + keep
+            lo = max(keep, j - self.max_size + keep)
+            snap = copy.copy(self)
+            snap.keys, snap.values = (
+                mx.concatenate([x[..., :keep, :], x[..., lo:j, :]], axis=2)
+                for x in seen
+            )
+            snap.offset, snap._idx, snap.checkpoints = p, min(p, self.max_size), ()
+            snap._undo_keys = snap._undo_values = None
+            snap._lo = snap._hi = 0
+            new += [snap.keys, snap.values]
+            taken.append(snap)
+        self.checkpoints = taken[-self.max_checkpoints :]
+        if new:  # evaluated with the ring
+            self.keys, self.values = mx.depends([self.keys, self.values], new)
+
+
+class QuantizedRotatingKVCache:
+    def _join_checkpoints(self, per_part):
+        """The checkpoints each quantized part's ring took, joined into ours."""
+        taken = list(self.checkpoints)
+        for parts in zip(*per_part):
+            snap = copy.copy(self)
+            snap.keys = tuple(p.keys for p in parts)
+            snap.values = tuple(p.values for p in parts)
+            snap.offset, snap._idx, snap.checkpoints = (
+                parts[0].offset,
+                parts[0]._idx,
+                (),
+            )
+            taken.append(snap)
+        self.checkpoints = taken[-self.max_checkpoints :]
+
+
+class BatchRotatingKVCache:
+    max_checkpoints = 4
+
+    def _checkpoint(self, sinks, columns, S):
+        """Keep the batch at each multiple of ``checkpoint_every`` columns
+        this update of ``S`` reached; ``columns`` end at the newest. With
+        right padding, a row past its tokens there gets none (offset 0), the
+        others theirs before their rolls."""
+        every, window = self.checkpoint_every, self.max_size - self.keep
+        end, pre, count = self._offset, self._offset - S, columns[0].shape[2]
+        start, lengths, roll = end, None, 0
+        if self._lengths is not None:  # the rows' tokens this call, given
+            lengths, _, given = self._padded
+            start, end = end - given, min(end, end - given + max(lengths))
+            roll = mx.array([max(0, given - n) for n in lengths])
+        taken = [c for c in self.checkpoints if c._offset <= pre]
+        new = []
+        positions = range((pre // every + 1) * every, end + 1, every)
+        for t in positions[-self.max_checkpoints :]:
+            live, j = min(t, window), t - self._offset + count
+            snap = copy.copy(self)
+            snap.keys, snap.values = (
+                mx.concatenate([s, x[..., j - live : j, :]], axis=2)
+                for s, x in zip(sinks, columns)
+            )
+            snap._offset, snap._idx, snap.rotated = t, self.keep + live, False
+            snap.offset = self.offset + roll - (self._offset - t)
+            if lengths is not None:
+                real = mx.array([t - start <= n for n in lengths])
+                snap.offset = mx.where(real, snap.offset, 0)
+            lp = self.left_padding - roll + (self._offset - window)
+            snap.left_padding = lp - (t - live)
+            snap._undo_keys = snap._undo_values = snap._lengths = None
+            snap._lo, snap._hi, snap.checkpoints = 0, 0, ()
+            new += [snap.keys, snap.values]
+            taken.append(snap)
+        self.checkpoints = taken[-self.max_checkpoints :]
+        if new:  # evaluated with the ring
+            self.keys, self.values = mx.depends([self.keys, self.values], new)
+
+
+class LRUPromptCache:
+    def _from_checkpoint(self, cache_entry, length, prefix):
+        """A working cache from the newest position at or before ``prefix``
+        where every layer of the ``length``-token entry has a checkpoint or
+        trims to, and that position; ``(None, 0)`` where there is none."""
+        layers = cache_entry.prompt_cache
+        found = {c.offset for x in layers for c in getattr(x, "checkpoints", ())}
+        at = next(
+            (
+                p
+                for p in sorted(found, reverse=True)
+                if p <= prefix
+                and all(
+                    any(c.offset == p for c in getattr(layer, "checkpoints", ()))
+                    or can_trim_prompt_cache([layer], length - p)
+                    for layer in layers
+                )
+            ),
+            0,
+        )
+        if at == 0:
+            return None, 0
+        cache = self._working_cache(cache_entry)
+        for i, layer in enumerate(layers):
+            held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
+            if at in held:
+                cache[i] = _copy_cache(held[at], copy.copy)
+                cache[i].checkpoints = [c for p, c in held.items() if p < at]
+            else:
+                trim_prompt_cache([cache[i]], length - at)
+        return cache, at
+
+
+PATCH = Patch(
+    "prompt_cache_checkpoints",
+    "Rings keep window checkpoints; LRUPromptCache restores the nearest one "
+    "before a prefix a wrapped ring cannot trim back to",
+    targets("mlx_lm.models.cache:RotatingKVCache", RotatingKVCache)
+    + targets("mlx_lm.models.cache:QuantizedRotatingKVCache", QuantizedRotatingKVCache)
+    + targets("mlx_lm.models.cache:BatchRotatingKVCache", BatchRotatingKVCache)
+    + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),
+    requires=(
+        "rotating_prealloc",
+        "batch_rotating_prealloc",
+        "batch_rotating_rows",
+        "quantized_ring",
+        "ring_trim_slack",
+        "prompt_cache_store",
+    ),
+)

@@ -1,0 +1,348 @@
+"""prompt_cache_checkpoints: rings keep copies of their window every
+``checkpoint_every`` tokens of a prefill, and a prompt cache restores the
+nearest one where a wrapped entry cannot be trimmed back to a branch."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import (
+    BatchRotatingKVCache,
+    LRUPromptCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from ringref import data_pointer, free_port, random_kv, same
+
+H, D = 2, 32
+
+
+@pytest.fixture
+def every(monkeypatch):
+    """``every(n)``: rings (single and batched) checkpoint every ``n`` tokens
+    for the test."""
+
+    def set_every(n):
+        monkeypatch.setattr(RotatingKVCache, "checkpoint_every", n)
+        monkeypatch.setattr(BatchRotatingKVCache, "checkpoint_every", n)
+
+    return set_every
+
+
+def temporal(cache):
+    """A ring's live keys and values in temporal order, and its offset."""
+    from mlx_lm.models.cache import _live_state
+
+    return _live_state(cache)[:3]
+
+
+def feed(cache, k, v, chunks):
+    """Update ``cache`` with ``k``/``v`` in chunks of these sizes."""
+    at = 0
+    for n in chunks:
+        cache.update_and_fetch(k[..., at : at + n, :], v[..., at : at + n, :])
+        at += n
+    mx.eval(cache.keys, cache.values)
+
+
+def ring(kind, max_size, keep):
+    cache = RotatingKVCache(max_size, keep)
+    return cache.to_quantized(group_size=32, bits=8) if kind == "quantized" else cache
+
+
+@pytest.mark.parametrize("kind", ["ring", "quantized"])
+@pytest.mark.parametrize(
+    "keep,chunks", [(0, [200]), (4, [200]), (4, [30, 50, 1, 1, 70, 48]), (0, [45] * 4)]
+)
+def test_a_checkpoint_is_the_ring_fed_only_that_far(every, kind, keep, chunks):
+    """Each checkpoint holds, bit for bit, what a ring fed only the tokens up
+    to its position holds, whatever the chunks."""
+    every(32)
+    mx.random.seed(0)
+    k, v = random_kv(1, H, sum(chunks), D)
+    cache = ring(kind, 40, keep)
+    feed(cache, k, v, chunks)
+    assert cache.checkpoints, "no checkpoint taken"
+    for c in cache.checkpoints:
+        assert c.offset % 32 == 0
+        alone = ring(kind, 40, keep)
+        feed(alone, k, v, [c.offset])
+        assert same(temporal(c), temporal(alone))
+
+
+def test_no_checkpoints_by_default_and_at_most_max_checkpoints(every):
+    mx.random.seed(0)
+    k, v = random_kv(1, H, 1000, D)
+    cache = RotatingKVCache(64)
+    feed(cache, k, v, [100] * 10)
+    assert cache.checkpoints == ()
+    every(50)
+    cache = RotatingKVCache(64)
+    feed(cache, k, v, [100] * 10)
+    assert [c.offset for c in cache.checkpoints] == [850, 900, 950, 1000]
+
+
+def test_checkpoints_count_in_nbytes_and_a_trim_drops_those_past_the_end(every):
+    every(16)
+    mx.random.seed(0)
+    k, v = random_kv(1, H, 70, D)
+    cache = RotatingKVCache(64)
+    feed(cache, k, v, [20, 50])
+    assert [c.offset for c in cache.checkpoints] == [32, 48, 64]
+    window = 2 * H * D * 4  # keys and values, float32, a token
+    assert cache.nbytes == window * (64 + 32 + 48 + 64)
+    cache = RotatingKVCache(64, slack=10)
+    feed(cache, k, v, [20, 50])
+    assert cache.trim(10) == 10
+    assert [c.offset for c in cache.checkpoints] == [32, 48]
+
+
+def test_decode_still_writes_the_ring_in_place(every):
+    """A checkpoint is a copy: the ring it was cut from is still written in
+    place by decode steps."""
+    every(16)
+    mx.random.seed(0)
+    k, v = random_kv(1, H, 100, D)
+    cache = RotatingKVCache(64)
+    feed(cache, k, v, [100])
+    assert cache.checkpoints
+    pointers = set()
+    for _ in range(5):
+        cache.update_and_fetch(*random_kv(1, H, 1, D))
+        mx.eval(cache.keys)
+        pointers.add(data_pointer(cache.keys))
+    assert len(pointers) == 1
+
+
+@pytest.mark.parametrize("quantized,keep", [(False, 0), (False, 4), (True, 0)])
+def test_batch_rows_take_out_their_own_checkpoints(every, quantized, keep):
+    """``extract`` gives each row the checkpoints of its own tokens: what a
+    single ring fed that row up to the position holds; ``filter`` keeps
+    them with their rows."""
+    every(32)
+    mx.random.seed(0)
+    pad = [0, 30, 0]  # rows of 150, 120 and 150 real tokens
+    ks, vs = random_kv(3, H, 150, D)
+    cache = BatchRotatingKVCache(48, pad, keep)
+    if quantized:
+        cache = cache.to_quantized(group_size=32, bits=8)
+    feed(cache, ks, vs, [40, 60, 50])
+    cache.filter([1, 2])
+    for row, b in ((0, 1), (1, 2)):
+        taken = cache.extract(row).checkpoints
+        assert [c.offset for c in taken] == [
+            t - pad[b] for t in (64, 96, 128) if t - pad[b] > 0
+        ]
+        for c in taken:
+            alone = ring("quantized" if quantized else "ring", 48, keep)
+            at = pad[b]
+            feed(alone, ks[b : b + 1, :, at:], vs[b : b + 1, :, at:], [c.offset])
+            assert same(temporal(c), temporal(alone))
+
+
+def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
+    """A row joining a batch mid-prefill (``extend``) takes checkpoints from
+    then on; the rows already there keep theirs: each the single ring fed
+    that row up to the position."""
+    every(32)
+    monkeypatch.setattr(BatchRotatingKVCache, "max_checkpoints", 8)
+    mx.random.seed(0)
+    ks, vs = random_kv(3, H, 200, D)
+    cache = BatchRotatingKVCache(48, [0, 0])
+    feed(cache, ks[:2], vs[:2], [70])
+    joining = BatchRotatingKVCache(48, [0])
+    cache.extend(joining)  # its tokens: ks[2] from column 70 on
+    feed(cache, ks[:, :, 70:], vs[:, :, 70:], [60, 70])
+    for b, start in ((0, 0), (1, 0), (2, 70)):
+        taken = cache.extract(b).checkpoints
+        want = [t - start for t in range(32, 193, 32) if t - start > 0]
+        assert [c.offset for c in taken] == want
+        for c in taken:
+            alone = RotatingKVCache(48)
+            feed(alone, ks[b : b + 1, :, start:], vs[b : b + 1, :, start:], [c.offset])
+            assert same(temporal(c), temporal(alone))
+
+
+def test_right_padded_rows_keep_checkpoints_within_their_tokens(every):
+    """Rows of 150, 100 and 130 tokens prefilled together (right padding,
+    as ``BatchGenerator`` pads a chunk): each row's checkpoints are the
+    multiples of 32 within its own tokens, each the single ring fed that
+    row that far."""
+    every(32)
+    mx.random.seed(0)
+    lengths = [150, 100, 130]
+    ks, vs = random_kv(3, H, 150, D)
+    cache = BatchRotatingKVCache(48, [0, 0, 0])
+    cache.prepare(lengths=lengths, right_padding=[150 - n for n in lengths])
+    feed(cache, ks, vs, [60, 60, 30])
+    cache.finalize()
+    for b in range(3):
+        taken = cache.extract(b).checkpoints
+        assert [c.offset for c in taken] == list(range(32, lengths[b] + 1, 32))
+        for c in taken:
+            alone = RotatingKVCache(48)
+            feed(alone, ks[b : b + 1], vs[b : b + 1], [c.offset])
+            assert same(temporal(c), temporal(alone))
+
+
+FIRST = [(7 * j + 3) % 500 + 10 for j in range(1500)]
+SECOND = FIRST[:1200] + [(11 * j + 5) % 500 + 10 for j in range(40)]
+
+
+def prefill(model, tokens, cache, step=512):
+    """Logits of the last token of ``tokens`` prefilled into ``cache``."""
+    y = mx.array(tokens)[None]
+    while y.shape[1]:
+        logits = model(y[:, :step], cache=cache)[:, -1]
+        mx.eval(logits, [c.state for c in cache])
+        y = y[:, step:]
+    return logits
+
+
+def branch(model, step):
+    """A 1,500-token prompt cached, then one sharing its first 1,200 tokens:
+    the tokens left to prefill, and the logits after prefilling them."""
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache, step)
+    store = LRUPromptCache()
+    store.insert_cache("m", FIRST, cache)
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    fetched = fetched or make_prompt_cache(model)
+    return len(rest), prefill(model, rest, fetched), store
+
+
+@pytest.mark.parametrize("step", [512, 2048])
+def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
+    load_tiny, every, step
+):
+    """gemma3_text, window 256: without checkpoints all 1,240 tokens are
+    prefilled again; with a checkpoint every 512 tokens, the 216 past the
+    one at 1,024, and the logits are a fresh prefill's (within 1e-5)."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    fresh = prefill(model, SECOND, make_prompt_cache(model))
+    left, _, _ = branch(model, step)
+    assert left == len(SECOND) == 1240
+    every(512)
+    left, logits, store = branch(model, step)
+    assert left == 1240 - 1024
+    assert mx.allclose(logits, fresh, atol=1e-5, rtol=0).item()
+
+
+def first_logprobs(model, prompts, caches=None, **kwargs):
+    """The first prompt's ``BatchGenerator`` response after one token (its
+    log-probabilities, cache and tokens), in a batch with the others."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=1, prefill_step_size=300, **kwargs)
+    uids = generator.insert(prompts, caches=caches)
+    done = {}
+    while len(done) < len(prompts):
+        done.update((r.uid, r) for r in generator.next_generated() if r.finish_reason)
+    return done[uids[0]]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_a_batch_row_branches_from_its_checkpoint_with_fresh_logprobs(
+    load_tiny, every, kv_bits
+):
+    """As the server does it: the first prompt prefilled in a batch (300-token
+    chunks, beside a shorter prompt), its row's cache stored; the branch is
+    served from the checkpoint at 1,024 and its first token's
+    log-probabilities are a fresh batch prefill's (within 1e-5), also with
+    quantized rings."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    kwargs = {"kv_bits": kv_bits, "kv_group_size": 32, "quantized_kv_start": 0}
+    kwargs = kwargs if kv_bits else {}
+    other = [(5 * j + 1) % 400 + 10 for j in range(700)]
+    done = first_logprobs(model, [FIRST, other], **kwargs)
+    store = LRUPromptCache()
+    store.insert_cache("m", done.all_tokens, done.prompt_cache)
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    got = first_logprobs(model, [rest], [fetched], **kwargs).logprobs
+    want = first_logprobs(model, [SECOND], **kwargs).logprobs
+    assert mx.allclose(got, want, atol=1e-5, rtol=0).item()
+
+
+def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny, every):
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache)
+    rings = [c for c in cache if isinstance(c, RotatingKVCache)]
+    taken = [c.checkpoints for c in rings]
+    assert [[x.offset for x in t] for t in taken] == [[512, 1024]] * len(rings)
+    stores = {"with": LRUPromptCache()}
+    stores["with"].insert_cache("m", FIRST, cache)
+    for c in rings:
+        c.checkpoints = ()
+    stores["bare"] = LRUPromptCache()
+    stores["bare"].insert_cache("m", FIRST, cache)
+    extra = stores["with"].nbytes - stores["bare"].nbytes
+    # Two checkpoints, each a whole window as the ring holds it.
+    assert extra == sum(x.nbytes for t in taken for x in t)
+    assert extra == 2 * sum(c.nbytes for c in rings)
+    for c, t in zip(rings, taken):
+        c.checkpoints = t
+    tight = LRUPromptCache(max_bytes=stores["with"].nbytes - 1)
+    tight.insert_cache("m", FIRST, cache)
+    assert len(tight) == 0 and tight.nbytes == 0
+
+
+def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
+    make_tiny_dir,
+):
+    """Through ``mlx_lm_patched.server`` on 127.0.0.1 (gemma3_text, window
+    256): a chat whose long user message is edited near its end reports the
+    tokens up to the checkpoint before the edit as cached, and logs a prefill
+    of only the rest."""
+    from mlx_lm_patched import tiny
+
+    port = free_port()
+    model = make_tiny_dir("gemma3_text", sliding_window=256)
+    cmd = [
+        sys.executable, "-m", "mlx_lm_patched.server", "--model", str(model),
+        "--port", str(port), "--max-tokens", "4",
+    ]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    words = tiny.TEXT.split()
+
+    def chat(text):
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": text},
+        ]
+        body = json.dumps({"messages": messages, "max_tokens": 4, "temperature": 0})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            body.encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.loads(r.read())["usage"]
+
+    try:
+        for _ in range(600):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        first = chat(" ".join(words[:700]))
+        second = chat(" ".join(words[:600] + ["Edited", "here."] + words[620:700]))
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=30)[1].decode()
+    assert first["prompt_tokens"] > 512 + 50  # the edit lies past 512 tokens
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 512
+    left = second["prompt_tokens"] - cached
+    totals = re.findall(r"Prompt processing progress: \d+/(\d+)", log)
+    assert totals[-1] == str(left)

@@ -20,6 +20,8 @@ from mlx.utils import tree_flatten
 from ._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
     from .prompt_cache_files import _prompt_cache_from_arrays
 
 
@@ -68,15 +70,17 @@ class HostPromptCache:
             f.write(len(header).to_bytes(8, "little"))
             f.write(header)
             for a in self.arrays.values():
-                f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+                f.write(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False).data)
 
 
-def prompt_cache_to_host(
+def prompt_cache_state(
     cache: List[Any], metadata: Optional[Dict[str, str]] = None
 ) -> HostPromptCache:
-    """Evaluate ``cache`` and copy its state to numpy, on the calling thread."""
-    import numpy as np
-
+    """``cache``'s state evaluated on the calling thread, not copied: a
+    ``HostPromptCache`` of MLX arrays (bfloat16 viewed as uint16) that any
+    thread may copy to host (another thread cannot evaluate them: "There is
+    no Stream(cpu, 0) in current thread"). Holding them keeps their buffers
+    from being donated to an update, so they do not change."""
     scalars = [""]  # as in save_prompt_cache
     arrays, dtypes = {}, {}
     for k, data in tree_flatten([c.state for c in cache]):
@@ -92,14 +96,26 @@ def prompt_cache_to_host(
         elif not isinstance(data, mx.array):
             raise ValueError(f"Model state is not serializable: {data}")
         dtypes[k] = str(data.dtype).rpartition(".")[2]
-        if data.dtype == mx.bfloat16:
-            data = data.view(mx.uint16)
-        arrays[k] = data
+        # Its own handle on the buffer: ``c.keys[...] = x`` replaces what the
+        # cache's handle points to (measured: a held handle then reads the
+        # update, unevaluated), never the buffer a handle holds.
+        data = copy.copy(data)
+        arrays[k] = data.view(mx.uint16) if data.dtype == mx.bfloat16 else data
     mx.eval(list(arrays.values()))
-    arrays = {k: np.array(a) for k, a in arrays.items()}
     classes = [type(c).__name__ for c in cache]
     cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
     return HostPromptCache(arrays, dtypes, cache_metadata)
+
+
+def prompt_cache_to_host(
+    cache: List[Any], metadata: Optional[Dict[str, str]] = None
+) -> HostPromptCache:
+    """Evaluate ``cache`` and copy its state to numpy, on the calling thread."""
+    import numpy as np
+
+    state = prompt_cache_state(cache, metadata)
+    arrays = {k: np.array(a) for k, a in state.arrays.items()}
+    return HostPromptCache(arrays, state.dtypes, state.metadata)
 
 
 def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
@@ -114,6 +130,7 @@ def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.
+prompt_cache_state = pasted_into("mlx_lm.models.cache", prompt_cache_state)
 prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
 prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
 
@@ -124,6 +141,7 @@ PATCH = Patch(
     targets(
         "mlx_lm.models.cache",
         HostPromptCache,
+        prompt_cache_state,
         prompt_cache_to_host,
         prompt_cache_from_host,
     ),

@@ -2,22 +2,20 @@
 
 ``PromptCacheDir(directory, max_bytes)`` is what the disk tier
 (``prompt_cache_disk``) stands on: entry files named by a hash of their
-model key and tokens, found by a scan that opens only regular files with
-the entries' suffix, without following links, and reads each header with a
-bounded size (a FIFO once blocked a server's start forever, and a 3 GiB
-sparse file was read whole before any check). An entry is indexed only if
-its header's manifest digest (``_manifest``: every field but the
-checksums) matches; anything else is skipped with a warning naming the
-file. The byte budget is counted over every entry file in the directory
-under an ``flock`` of it, so replicas sharing it hold it together (two held
-7.77 MB against a 4 MB budget, each counting only its own files); the
-least recently used (oldest mtime) go first; temporary files a killed
-writer left are removed at the next count; on a full disk the oldest
-entries make room. A model key names the weights, not their path: a digest
-of the files of each local directory in it (``_model_key``). An entry's
-data is read by several threads (``_read_arrays``), each checking what it
-read (CRC-32, finite floats), so no one core bounds a restore; how fast
-restores went is kept (``read_rate``).
+model key and tokens, found by a scan that opens only regular entry files,
+without following links, reading each header within a bound (a FIFO once
+blocked a server's start, a 3 GiB sparse file was read whole). An entry is
+indexed only if its header's manifest digest (``_manifest``: every field
+but the checksums) matches; anything else is skipped with a warning naming
+it. The budget is counted over every entry file under an ``flock`` of the
+directory, so replicas sharing it hold it together (two held 7.77 MB of a
+4 MB budget when each counted its own), oldest mtime first; a killed
+writer's temporary files go at the next count; on a full disk the oldest
+entries make room; replicas find each other's new files (``_refresh``). A
+model key names the weights (a digest of each local directory's files,
+``_model_key``) and ``scope`` (a server's ``--kv-bits``). An entry's data
+is read by several threads (``_read_arrays``), each checking what it read
+(CRC-32, finite floats); how fast restores went is kept (``read_rate``).
 """
 
 import errno
@@ -51,8 +49,7 @@ class PromptCacheDir:
     # Seconds an unlocked temporary file is left to its writer.
     temp_grace = 10.0
 
-    # An entry's data is read in threads, this many bytes (a multiple of 8)
-    # a read at most.
+    # Threads reading an entry's data; bytes a read at most (a multiple of 8).
     read_threads = 8
     read_chunk = 16 << 20
 
@@ -81,12 +78,16 @@ class PromptCacheDir:
             ) from None
         self.directory = directory
         self.max_bytes = max_bytes
+        self.scope = None  # what else shapes an entry: in every model key
         self._lock = threading.Lock()
         self._dir_lock = threading.Lock()
         self._trie = PromptTrie()
         # name -> (model, tokens, tokens it can trim, file bytes)
         self._files = {}
+        self._pending = {}  # name -> what is queued to be written as it
         self._n_bytes = 0  # every entry file in the directory, at the last count
+        self._looked = (None, 0.0)  # the directory's mtime, when, at the last look
+        self._unsound = set()  # (name, mtime, size) of files skipped with a warning
         self._digests = {}  # (directory, its files' stats) -> digest
         self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
         self._pool = (0, None)  # (read_threads, the threads reading entries)
@@ -148,15 +149,13 @@ class PromptCacheDir:
         """``model`` as entries name it. A server's key (model, adapter and
         draft paths) names each local directory by a digest of its files,
         so other weights at the same path are other entries; any other key
-        is its ``repr``."""
-        if not isinstance(model, tuple):
-            return repr(model)
-        return repr(
-            tuple(
+        is its ``repr``. With a ``scope``, the key is ``(key, scope)``."""
+        if isinstance(model, tuple):
+            model = tuple(
                 self._digest(x) if isinstance(x, str) and os.path.isdir(x) else x
                 for x in model
             )
-        )
+        return repr(model if self.scope is None else (model, self.scope))
 
     def _digest(self, directory: str):
         """A digest of the names and contents of the files in ``directory``
@@ -208,6 +207,32 @@ class PromptCacheDir:
             except Exception as ex:
                 logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
         return [(name, entry) for _, name, entry in sorted(found)]
+
+    def _refresh(self):
+        """Index the files other processes wrote (renamed into place: never
+        torn), forget those they removed; once the directory changed."""
+        mtime = os.stat(self.directory).st_mtime_ns
+        if self._looked[0] == mtime and time.monotonic() - self._looked[1] < 1:
+            return
+        self._looked, present = (mtime, time.monotonic()), set()
+        for e in os.scandir(self.directory):
+            if self._is_entry(e.name):
+                present.add(e.name)
+                try:
+                    st = os.lstat(e.path)
+                    key = (e.name, st.st_mtime_ns, st.st_size)
+                    if e.name not in self._files and key not in self._unsound:
+                        entry = self._read_header(e.path)
+                        with self._lock:
+                            if e.name not in self._files:
+                                self._add(e.name, entry)
+                except FileNotFoundError:
+                    pass
+                except Exception as ex:
+                    self._unsound.add(key)
+                    logging.warning(f"[prompt cache] skipping {e.path}: {ex!r}")
+        with self._lock:
+            self._forget(present)
 
     def _remove_stale(self, path: str):
         """Remove the temporary file ``path`` if no writer holds its lock
@@ -409,6 +434,11 @@ class PromptCacheDir:
         model, tokens, _, _ = self._files.pop(name)
         self._trie.pop(model, tokens)
 
+    def _forget(self, present: set):
+        """Drop the entries another process removed: written, not in ``present``."""
+        for name in set(self._files) - present - set(self._pending):
+            self._drop(name)
+
     def _shrink(self, free: int = 0):
         """Count every entry file in the directory (other processes' too)
         and remove the least recently used until they fit ``max_bytes`` and,
@@ -428,9 +458,7 @@ class PromptCacheDir:
         total = sum(size for _, _, size in found)
         limit, removed = min(self.max_bytes, total - free), 0
         with self._lock:
-            present = {name for _, name, _ in found}
-            for name in [n for n in self._files if n not in present]:
-                self._drop(name)  # another process removed it
+            self._forget({name for _, name, _ in found})
             for _, name, size in sorted(found):
                 if total - removed <= limit:
                     break

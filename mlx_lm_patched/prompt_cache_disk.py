@@ -9,10 +9,15 @@ dequantize and cast to float16 before writing, which changes the tokens.
 
 ``DiskPromptCache(directory, max_bytes)`` keeps prompt caches as files
 ``load_prompt_cache`` reads, in a ``PromptCacheDir`` (``prompt_cache_dir``:
-the names, the manifest, the scan, the shared budget). ``put`` takes the
-host snapshot (``prompt_cache_to_host``: bfloat16 as its bits, quantized
-caches as their packed triples, nothing upcast) on the calling thread, and
-a background thread writes it (a locked temporary file renamed into place).
+the names, the manifest, the scan, the shared budget). ``put`` queues the
+entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
+which another thread cannot do; bfloat16 as its bits, quantized caches as
+their packed triples, nothing upcast or copied) and returns (a 524 MB entry
+took 1,160 ms when ``put`` copied it itself); a thread copies and writes
+them (a locked temporary file renamed into place). Held, they cannot be
+donated to an update. The queue holds at most ``queue_bytes`` (past it, an
+entry is ``dropped``, warned); ``get`` serves queued entries;
+``close(timeout)`` writes the queue in a bounded time.
 ``get`` returns the longest stored prefix of a prompt (or a longer entry
 trimmed to it, as ``LRUPromptCache.fetch_nearest_cache`` does) as a working
 cache, bit for bit, and the tokens left to prefill. It reads the file in
@@ -30,12 +35,15 @@ else is skipped with a warning naming the file, never served and never
 raised.
 
 ``DiskLRUPromptCache(disk, max_size, max_bytes)`` is an ``LRUPromptCache``
-that writes every entry it evicts (``_evict``, ``prompt_cache_store``) to
-``disk`` and, where memory holds less of a prompt than the disk tier,
-serves it from there, if reading it is expected to be faster than
-prefilling what it saves (measured restores against measured prefills):
-on a GPU, a prefill can beat the disk (issue #27: 0.96 s of prefill against
-a 3.31 s restore of a 16k-token Llama-8B-shape prefix).
+that queues every entry it stores for ``disk`` as it stores it (write-behind:
+a server killed a few seconds later keeps it), again when it evicts it
+(``_evict``, ``prompt_cache_store``) if it is not on disk by then (a dropped
+write), and, where memory holds less of a prompt than the disk tier, serves
+it from there, if reading it is expected to be faster than prefilling what
+it saves (measured restores against measured prefills): on a GPU, a
+prefill can beat the disk (issue #27: 0.96 s of prefill against a 3.31 s
+restore of a 16k-token Llama-8B-shape prefix). Each fetch logs which tier
+served how many tokens.
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -59,7 +67,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    from .host_export import prompt_cache_to_host
+    from .host_export import HostPromptCache, prompt_cache_state
     from .prompt_cache_files import (
         _prompt_cache_from_arrays,
         prompt_cache_layout,
@@ -73,26 +81,49 @@ class DiskPromptCache(PromptCacheDir):
     Each file is a ``.safetensors`` prompt cache named by a hash of its model
     key and tokens; its metadata holds both, the tokens it can trim, a
     checksum of its whole header (``_manifest``) and a CRC-32 of its data.
-    ``put`` returns once its host copy is taken (host memory holds at most
-    six queued copies): ``flush`` waits for the writes, ``close`` ends the
-    writer. Several processes may share ``directory``: the budget is counted
-    over its files under an ``flock`` of the directory, the least recently
-    used (oldest mtime) go first.
+    ``put`` queues the entry's arrays, not a copy, and returns; the queue
+    holds at most ``queue_bytes`` of them: ``flush`` waits for the writes,
+    ``close`` ends the writer. Several processes may share ``directory``:
+    the budget is counted over its files under an ``flock`` of the
+    directory, the least recently used (oldest mtime) go first.
     """
 
-    def __init__(self, directory: str, max_bytes: int = 1 << 63):
+    # Seconds a stopping server gives the writer to write what is queued.
+    drain_seconds = 10.0
+
+    def __init__(
+        self, directory: str, max_bytes: int = 1 << 63, queue_bytes: int = 1 << 30
+    ):
+        if not isinstance(queue_bytes, int) or queue_bytes < 0:
+            raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
         PromptCacheDir.__init__(self, directory, max_bytes)
+        self.queue_bytes = queue_bytes
+        self.queued_bytes = 0  # of the entries in _pending
+        self.dropped = 0  # entries not queued: the queue was full
         self._layouts = {}  # model key -> prompt_cache_layout of its own caches
-        self._queue = queue.Queue(maxsize=4)
+        self._closed = self._given_up = False  # close(); its timeout ran out
+        self._queue = queue.Queue()  # names in _pending, then None
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
 
+    @property
+    def queued(self):
+        """Entries queued, not yet written."""
+        return len(self._pending)
+
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
-        """Queue ``cache``, the cache of ``tokens``, to be written. Its host
-        copy is taken here; queueing it waits while four others are queued."""
-        if not self._writer.is_alive():
+        """Queue ``cache``, the cache of ``tokens``, to be written, and return
+        (its arrays are evaluated here, not copied); ``get`` serves it from
+        now on. An entry written or queued already is left as it is; one
+        that would take the queue past ``queue_bytes`` is dropped (warned,
+        counted in ``dropped``) unless the queue is empty."""
+        if self._closed:
             raise ValueError("DiskPromptCache.put after close()")
         tokens = [int(t) for t in tokens]
+        model = self._model_key(model)
+        name = self._name(model, tokens)
+        if name in self._files:
+            return
         # The most tokens trim_prompt_cache can take off exactly (a wrapped
         # ring: its slack); can_trim_prompt_cache is monotone in the count.
         trimmable, hi = 0, len(tokens)
@@ -101,16 +132,27 @@ class DiskPromptCache(PromptCacheDir):
             trimmable, hi = (
                 (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
             )
-        model = self._model_key(model)
         self._learn(model, cache)
         metadata = {
             "model": model,
             "tokens": json.dumps(tokens),
             "trimmable": str(trimmable),
         }
-        host = prompt_cache_to_host(cache, metadata)
-        entry = (model, tokens, trimmable)
-        self._queue.put((self._name(model, tokens), entry, host))
+        state = prompt_cache_state(cache, metadata)
+        with self._lock:
+            if self._pending and self.queued_bytes + state.nbytes > self.queue_bytes:
+                self.dropped += 1
+                logging.warning(
+                    f"[prompt cache] not writing {len(tokens)} tokens "
+                    f"({state.nbytes} B): {self.queued_bytes} B queued, "
+                    f"--prompt-cache-queue-bytes {self.queue_bytes}; "
+                    f"{self.dropped} dropped so far"
+                )
+                return
+            self._pending[name] = state
+            self.queued_bytes += state.nbytes
+            self._add(name, (model, tokens, trimmable, 0))  # 0: no file yet
+        self._queue.put(name)
 
     def learn(self, model: Any, cache: List[Any]):
         """Take ``cache`` as what ``model``'s caches look like: an entry of
@@ -125,18 +167,31 @@ class DiskPromptCache(PromptCacheDir):
                 pass  # a cache kind it cannot describe: nothing to compare
 
     def _write_loop(self):
-        while (item := self._queue.get()) is not None:
+        while (name := self._queue.get()) is not None:
+            state, done = self._pending[name], False
             try:
-                self._write(*item)
+                done = not self._given_up and self._write(name, state)
             except Exception as e:
-                logging.warning(f"[prompt cache] could not write {item[0]}: {e!r}")
+                logging.warning(f"[prompt cache] could not write {name}: {e!r}")
             finally:
+                with self._lock:
+                    del self._pending[name]
+                    self.queued_bytes -= state.nbytes
+                    if not done and name in self._files:
+                        self._drop(name)  # not written: not served
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _write(self, name: str, entry: tuple, host):
-        if host.nbytes > self.max_bytes:
-            return
+    def _write(self, name: str, state):
+        """Write the queued entry ``name``; whether it was written."""
+        import numpy as np
+
+        if state.nbytes > self.max_bytes:
+            return False
+        # The host copy, on this thread: the arrays' own memory, read in place.
+        arrays = {k: np.asarray(a, order="C") for k, a in state.arrays.items()}
+        host = HostPromptCache(arrays, state.dtypes, dict(state.metadata))
+        entry = self._files[name][:3]
         header = host.header()
         host.metadata["0.manifest"] = self._manifest(header)
         crc = 0
@@ -178,6 +233,18 @@ class DiskPromptCache(PromptCacheDir):
             if os.path.lexists(temp):
                 os.remove(temp)
             os.close(fd)
+        return True
+
+    def _pending_cache(self, name: str):
+        """The cache of the queued entry ``name``, sharing its arrays, or
+        ``None`` once it is written."""
+        state = self._pending.get(name)
+        if state is None:
+            return None
+        arrays = {
+            k: a.view(getattr(mx, state.dtypes[k])) for k, a in state.arrays.items()
+        }
+        return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
 
     def _load(self, name: str):
         """The cache in file ``name``, or ``None`` (warned) if it is not sound:
@@ -242,7 +309,7 @@ class DiskPromptCache(PromptCacheDir):
                     return None
                 _, n, stored = max(options, key=lambda x: x[:2])
                 name = self._name(model, stored)
-            cache = self._load(name)
+            cache = self._pending_cache(name) or self._load(name)
             expected = self._layouts.get(model)
             if cache is not None and expected is not None:
                 why = prompt_cache_mismatch(expected, cache)
@@ -293,16 +360,29 @@ class DiskPromptCache(PromptCacheDir):
         """Wait until every queued cache is written."""
         self._queue.join()
 
-    def close(self):
-        """Write what is queued and end the writer thread."""
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
-            os.close(self._dir_fd)
+    def close(self, timeout: Optional[float] = None):
+        """Write what is queued and end the writer thread; with ``timeout``,
+        give up after that many seconds: what is left is not written (warned).
+        Returns the number of entries left."""
+        if self._closed:
+            return 0
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout)
+        if self._writer.is_alive():  # it skips the rest, ends the file it writes
+            self._given_up = True
+            left = len(self._pending)
+            logging.warning(
+                f"[prompt cache] {left} entries ({self.queued_bytes} B) not "
+                f"written to {self.directory}: the {timeout} s to write them ran out"
+            )
+            return left
+        os.close(self._dir_fd)
+        return 0
 
 
 class DiskLRUPromptCache(LRUPromptCache):
-    """An ``LRUPromptCache`` that writes what it evicts to ``disk`` (a
+    """An ``LRUPromptCache`` that writes what it stores to ``disk`` (a
     ``DiskPromptCache``) and reads from it where memory has less. With
     ``bits``, files hold the entries as quantized at rest, dequantized on
     fetch.
@@ -358,6 +438,7 @@ class DiskLRUPromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
+        tier = "miss" if cache is None else "memory hit"
         if rest:
             cached = len(tokens) - len(rest)
             rate, read = self.prefill_rate, self.disk.read_rate
@@ -365,12 +446,15 @@ class DiskLRUPromptCache(LRUPromptCache):
                 None if rate is None else lambda n, b: (n - cached) / rate - b / read
             )
             try:
+                self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached, saves)
             except Exception as e:  # a miss, never the generation thread's end
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")
                 found = None
             if found is not None:
-                return self._working(found[0]), found[1]
+                cache, rest, tier = self._working(found[0]), found[1], "disk hit"
+        n = len(tokens) - len(rest)
+        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens")
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):
@@ -379,15 +463,23 @@ class DiskLRUPromptCache(LRUPromptCache):
             self.disk.learn(model, prompt_cache)
         except Exception as e:  # never the generation thread's end
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")
-        return LRUPromptCache.insert_cache(self, model, tokens, prompt_cache, **kwargs)
+        LRUPromptCache.insert_cache(self, model, tokens, prompt_cache, **kwargs)
+        try:  # written behind: queued now (evicted at once, _evict queued it)
+            entry = self._trie.get(model, tokens)
+        except KeyError:
+            return
+        self._spill(model, tokens, entry)
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)
+        self._spill(model, tokens, entry)  # nothing if it is on disk already
+        return model, tokens, entry
+
+    def _spill(self, model: Any, tokens: List[int], entry):
         try:
             self.disk.put(model, tokens, entry.prompt_cache)
         except Exception as e:  # not written: a miss later, never an error now
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")
-        return model, tokens, entry
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.

@@ -18,18 +18,26 @@ dequantized when a request takes one, so requests compute at their own
 precision.
 
 ``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
-(``prompt_cache_disk``): what memory evicts is written to DIR by a
-background thread, read back where memory has less of a prompt, and found
-again after a restart (stopped with Ctrl-C, the server writes what memory
-still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR.
-Upstream's ``main`` builds its parser inline, so it is here whole, with
-the flags added. Its size flags took upstream's ``_parse_size``, whose
+(``prompt_cache_disk``): every entry memory stores is queued at once and
+written to DIR by a background thread (``--prompt-cache-queue-bytes``,
+default 1G, bounds the queue; what does not fit is not written, and the
+log counts it), read back where memory has less of a prompt, and found
+again after a restart, also after kill -9. Stopped with SIGTERM (systemd,
+docker, Kubernetes; upstream dies at once and keeps nothing) or Ctrl-C,
+the server writes the queue and what memory holds for at most
+``DiskPromptCache.drain_seconds`` (10 s), then exits 0 (a second SIGTERM
+while it writes ends it at once).
+``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. The log gives both
+tiers' sizes before each request and which tier served how many of its
+tokens. Upstream's ``main`` builds its parser inline, so it is here whole,
+with the flags added. Its size flags took upstream's ``_parse_size``, whose
 ``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
 ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
 or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
 file or a directory it cannot list (``_prompt_cache_dir``).
 """
 
+import signal
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -41,6 +49,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import argparse
     import json
     import logging
+    import time
 
     import mlx.core as mx
     from mlx_lm.server import (
@@ -76,19 +85,53 @@ def run(
         directory = Path(cli_args.prompt_cache_dir)
         if group.size() > 1:
             directory = directory / f"rank{group.rank()}"
-        disk = DiskPromptCache(str(directory), cli_args.prompt_cache_disk_bytes)
+        disk = DiskPromptCache(
+            str(directory),
+            cli_args.prompt_cache_disk_bytes,
+            cli_args.prompt_cache_queue_bytes,
+        )
+        # Caches quantized otherwise are other entries: never served across.
+        disk.scope = " ".join(
+            f"--{k} {getattr(cli_args, k.replace('-', '_'), None)}"
+            for k in (
+                "kv-bits",
+                "kv-group-size",
+                "prompt-cache-bits",
+                "prompt-cache-group-size",
+            )
+        )
         prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
     response_generator = ResponseGenerator(model_provider, prompt_cache)
-    if group.rank() == 0:
-        _run_http_server(host, port, response_generator)
-    else:
-        response_generator.join()
+    # Services are stopped with SIGTERM: stop as on Ctrl-C.
+    try:
+        sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not on the main thread: no signals here
+        sigterm = None
+    try:
+        if group.rank() == 0:
+            _run_http_server(host, port, response_generator)
+        else:
+            response_generator.join()
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
     if cli_args.prompt_cache_dir is not None:
-        # Stopped (Ctrl-C): what memory holds is written too.
+        # Stopped: what is queued and what memory holds are written, in a
+        # bounded time.
         prompt_cache.trim_to(n_sequences=0)
-        disk.close()
+        logging.info(
+            f"Prompt cache: writing {disk.queued} entries "
+            f"({disk.queued_bytes} B) to {directory}, for at most "
+            f"{disk.drain_seconds} s"
+        )
+        start = time.perf_counter()
+        left = disk.close(timeout=disk.drain_seconds)
+        logging.info(
+            f"Prompt cache: written in {time.perf_counter() - start:.2f} s"
+            + (f", {left} entries left unwritten" if left else "")
+        )
 
 
 def _parse_byte_size(x: str) -> int:
@@ -137,6 +180,14 @@ class ResponseGenerator:
             n_bytes = stats["n_bytes"]
             logging.info(
                 f"- {cache_type}: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB"
+            )
+        disk = getattr(self.prompt_cache, "disk", None)
+        if disk is not None:
+            n_bytes = disk.nbytes
+            logging.info(
+                f"- disk: {len(disk)} sequences, {n_bytes / 1e9:.2f} GB ({n_bytes} B), "
+                f"{disk.queued} queued ({disk.queued_bytes} B), "
+                f"{disk.dropped} dropped"
             )
 
 
@@ -284,6 +335,13 @@ def main():
         help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
     )
     parser.add_argument(
+        "--prompt-cache-queue-bytes",
+        type=_parse_byte_size,
+        default="1G",
+        help="Maximum size in bytes of the prompt caches waiting to be written "
+        "to --prompt-cache-dir; more are not written (default: 1G)",
+    )
+    parser.add_argument(
         "--prompt-cache-bits",
         type=int,
         choices=[4, 8],
@@ -336,10 +394,11 @@ def main():
 PATCH = Patch(
     "server_prompt_cache",
     "server: --prompt-cache-bytes holds on every insert and after every batch "
-    "step; --prompt-cache-dir keeps evicted prompt caches on disk; "
+    "step; --prompt-cache-dir writes prompt caches to disk as they are made, "
+    "drained on SIGTERM and Ctrl-C; the log shows both tiers; "
     "--prompt-cache-bits keeps them quantized at rest; bad sizes and "
     "directories are one-line errors",
-    targets("mlx_lm.server", run, main, _parse_byte_size, _prompt_cache_dir)
+    targets("mlx_lm.server", signal, run, main, _parse_byte_size, _prompt_cache_dir)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",

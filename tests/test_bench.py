@@ -220,6 +220,19 @@ def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
     )  # fmt: skip
 
 
+def test_disk_write_bench_writes_every_entry_it_puts(tmp_path):
+    from mlx_lm_patched.bench import disk_write
+
+    argv = "--layers 2 --kv-heads 2 --head-dim 16 --tokens 300 --repeat 3"
+    out = disk_write.main(argv.split() + ["--queued", "2", "--device", "cpu"])
+    assert list(out)[:5] == HEADER and "prompt_cache_disk" in out["patches"]
+    # 2 layers x keys and values x 2 KV heads x 16 dims x 300 tokens, bfloat16,
+    # and each layer's offset
+    assert out["entry_bytes"] == 2 * 2 * 2 * 16 * 300 * 2 + 2 * 4
+    assert len(out["put_ms_all"]) == 3
+    assert (out["queued"], out["dropped"], out["left_unwritten"]) == (2, 0, 0)
+
+
 def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
     from mlx_lm_patched.bench import prompt_cache
 

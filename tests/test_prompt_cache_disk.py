@@ -2,7 +2,7 @@
 thread and finds them again after a restart, bit for bit (bfloat16,
 quantized, rings), bounded by its byte budget; corrupt, truncated and
 foreign files are skipped with a warning naming them. ``DiskLRUPromptCache``
-spills what memory evicts and reads it back where upstream's
+queues what memory stores (write-behind) and reads it back where upstream's
 ``LRUPromptCache`` has nothing."""
 
 import copy
@@ -58,10 +58,10 @@ def held(cache):
     ]
 
 
-def disk(directory, max_bytes=1 << 63):
+def disk(directory, max_bytes=1 << 63, **kwargs):
     from mlx_lm.models.cache import DiskPromptCache
 
-    return DiskPromptCache(str(directory), max_bytes)
+    return DiskPromptCache(str(directory), max_bytes, **kwargs)
 
 
 def written(directory, *entries, max_bytes=1 << 63):
@@ -152,7 +152,9 @@ def test_a_wrapped_ring_steps_back_from_disk_within_its_slack(tmp_path):
     assert tier.get(MODEL, tokens[:16] + EXTRA) is None  # 4 tokens: past the slack
 
 
-def test_put_copies_the_cache_before_it_returns(load_tiny, tmp_path):
+def test_what_is_written_is_the_cache_as_put_while_the_caller_goes_on(
+    load_tiny, tmp_path
+):
     model, _ = load_tiny("llama")
     cache = prefilled(model, PROMPT)
     kept = copy.deepcopy(cache)
@@ -297,7 +299,8 @@ def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
         lru.insert_cache(MODEL, first, prefilled(model, first))
         lru.insert_cache(MODEL, second, prefilled(model, second))  # evicts first
         tier.flush()
-        (name_on_disk,) = files(tmp_path / name)
+        # Written behind, both are on disk: the evicted one is first's.
+        name_on_disk = tier._name(tier._model_key(MODEL), first)
         stored[name] = load_prompt_cache(str(tmp_path / name / name_on_disk))
         if at_rest:
             ram = LRUPromptCache(bits=bits)
@@ -595,6 +598,185 @@ def test_a_full_disk_evicts_the_oldest_entries_and_writing_goes_on(load_tiny, tm
         assert all(f.endswith(".safetensors") for f in files(small))
     finally:
         subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+# Write-behind (#27): put queues the entry's own arrays and returns; the
+# writer thread copies them to host. A test holds the directory's lock to
+# keep an entry queued: the writer waits for it before renaming the file.
+
+
+class DirectoryHeld:
+    """The directory's ``flock``, held: queued entries stay queued."""
+
+    def __init__(self, directory):
+        import fcntl
+
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self):
+        os.close(self.fd)
+
+
+def test_put_queues_the_caches_own_buffers_not_a_host_copy(load_tiny, tmp_path):
+    import numpy as np
+
+    model, _ = load_tiny("llama", dtype="bfloat16")
+    cache = prefilled(model, PROMPT)
+    lru = disk_lru(tmp_path, max_size=1)
+    lru.insert_cache(MODEL, PROMPT, cache)
+    (entry,) = [lru._trie.get(MODEL, PROMPT)]
+    (state,) = lru.disk._pending.values()
+
+    def address(a):
+        return np.asarray(
+            a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+        ).ctypes.data
+
+    arrays = [a for c in entry.prompt_cache for a in c.state if isinstance(a, mx.array)]
+    shared = {address(a) for a in arrays}
+    assert len(shared) == 2 * len(cache)  # keys and values of every layer
+    # The buffers memory holds, not copies.
+    assert shared <= {address(a) for a in state.arrays.values()}
+    lru.disk.close()
+
+
+def disk_lru(directory, max_size=10, **kwargs):
+    from mlx_lm.models.cache import DiskLRUPromptCache
+
+    return DiskLRUPromptCache(disk(directory, **kwargs), max_size=max_size)
+
+
+def test_a_queued_entry_is_served_before_its_file_exists(load_tiny, tmp_path):
+    model, _ = load_tiny("llama", dtype="bfloat16")
+    cache = prefilled(model, PROMPT)
+    kept = copy.deepcopy(cache)
+    tier = disk(tmp_path)
+    lock = DirectoryHeld(tmp_path)
+    try:
+        tier.put(MODEL, PROMPT, cache)
+        model(mx.array(EXTRA)[None], cache=cache)  # the caller goes on using it
+        restored, rest = tier.get(MODEL, PROMPT + EXTRA)
+        assert tier.queued == 1
+        assert not [f for f in files(tmp_path) if f.endswith(".safetensors")]
+    finally:
+        lock.release()
+    assert rest == EXTRA and same(live(restored), live(kept))
+    tier.close()
+    restored, rest = disk(tmp_path).get(MODEL, PROMPT + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(kept))
+
+
+def test_a_full_queue_drops_the_entry_and_counts_it(load_tiny, tmp_path, caplog):
+    from mlx_lm.models.cache import prompt_cache_state
+
+    model, _ = load_tiny("llama")
+    prompts = [[t] + PROMPT[:200] for t in (1, 2, 4)]
+    caches = [prefilled(model, p) for p in prompts]
+    one = prompt_cache_state(caches[0]).nbytes  # what the queue holds of one
+    tier = disk(tmp_path, queue_bytes=one + one // 2)
+    caplog.set_level(logging.WARNING)
+    lock = DirectoryHeld(tmp_path)
+    try:
+        for tokens, cache in zip(prompts, caches):
+            tier.put(MODEL, tokens, cache)
+    finally:
+        lock.release()
+    tier.close()
+
+    assert tier.dropped == 2
+    assert "2 dropped so far" in caplog.text
+    assert [tier.get(MODEL, p + EXTRA) is not None for p in prompts] == [
+        True,
+        False,
+        False,
+    ]
+
+
+def test_an_entry_on_disk_is_not_written_again_when_memory_evicts_it(
+    load_tiny, tmp_path
+):
+    model, _ = load_tiny("llama")
+    first, second = PROMPT[:300], PROMPT[300:]
+    lru = disk_lru(tmp_path, max_size=1)
+    lru.insert_cache(MODEL, first, prefilled(model, first))
+    lru.disk.flush()
+    (name,) = files(tmp_path)
+    before = os.stat(tmp_path / name)
+    # Writes happen as entries are stored: the second is queued, the first
+    # (evicted by it) is not queued again.
+    lock = DirectoryHeld(tmp_path)
+    try:
+        lru.insert_cache(MODEL, second, prefilled(model, second))
+        assert lru.disk.queued == 1 and len(lru) == 1
+    finally:
+        lock.release()
+    lru.disk.close()
+    after = os.stat(tmp_path / name)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert len(files(tmp_path)) == 2
+
+
+def test_close_with_a_timeout_gives_up_on_what_is_left_and_says_so(
+    load_tiny, tmp_path, caplog
+):
+    model, _ = load_tiny("llama")
+    prompts = [[t] + PROMPT[:100] for t in (1, 2)]
+    tier = disk(tmp_path)
+    caplog.set_level(logging.WARNING)
+    lock = DirectoryHeld(tmp_path)
+    try:
+        for tokens in prompts:
+            tier.put(MODEL, tokens, prefilled(model, tokens))
+        assert tier.close(timeout=0.2) == 2
+        assert "2 entries" in caplog.text and "the 0.2 s to write them ran out" in (
+            caplog.text
+        )
+        with pytest.raises(ValueError, match="after close"):
+            tier.put(MODEL, PROMPT, prefilled(model, PROMPT))
+    finally:
+        lock.release()
+    tier._writer.join(30)
+    # The file being written when time ran out is finished, the rest is not.
+    assert len(files(tmp_path)) == 1 and all(
+        f.endswith(".safetensors") for f in files(tmp_path)
+    )
+
+
+def test_a_replica_finds_what_another_wrote_after_it_started(load_tiny, tmp_path):
+    from mlx_lm.models.cache import DiskLRUPromptCache
+
+    model, _ = load_tiny("llama")
+    reader = DiskLRUPromptCache(disk(tmp_path), max_size=1)
+    assert reader.fetch_nearest_cache(MODEL, PROMPT + EXTRA) == (None, PROMPT + EXTRA)
+    written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
+
+    cache, rest = reader.fetch_nearest_cache(MODEL, PROMPT + EXTRA)
+    assert rest == EXTRA and same(live(cache), live(prefilled(model, PROMPT)))
+    for f in files(tmp_path):  # the other replica's budget removed it
+        os.remove(tmp_path / f)
+    os.utime(tmp_path, ns=(0, 0))  # a changed directory, on any clock
+    assert reader.fetch_nearest_cache(MODEL, PROMPT + EXTRA) == (None, PROMPT + EXTRA)
+    assert len(reader.disk) == 0
+
+
+def test_entries_of_another_scope_are_other_entries(load_tiny, tmp_path):
+    """A server's --kv-bits is in every key: a server quantizing otherwise
+    never gets them."""
+    model, _ = load_tiny("llama")
+
+    def scoped(scope):
+        tier = disk(tmp_path)
+        tier.scope = scope
+        return tier
+
+    writer = scoped("--kv-bits 8")
+    writer.put(MODEL, PROMPT, prefilled(model, PROMPT, kv_bits=8))
+    writer.close()
+
+    assert scoped("--kv-bits 4").get(MODEL, PROMPT + EXTRA) is None
+    assert scoped(None).get(MODEL, PROMPT + EXTRA) is None
+    assert scoped("--kv-bits 8").get(MODEL, PROMPT + EXTRA)[1] == EXTRA
 
 
 # Restore that beats recompute (#27): entries read in parallel chunks, each

@@ -66,11 +66,17 @@ def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
         prompt_cache_bytes=None,
         prompt_cache_dir=directory,
         prompt_cache_disk_bytes=999,
+        prompt_cache_queue_bytes=1 << 20,
+        kv_bits=8,
+        kv_group_size=32,
     )
     assert isinstance(prompt_cache, DiskLRUPromptCache)
     assert prompt_cache.max_size == 7
     disk = prompt_cache.disk
     assert (disk.directory, disk.max_bytes) == (directory, 999)
+    assert disk.queue_bytes == 1 << 20
+    # In every entry's key: entries of caches quantized otherwise are others.
+    assert disk.scope.startswith("--kv-bits 8 --kv-group-size 32 --prompt-cache-bits")
     assert not disk._writer.is_alive()  # closed when run returned
 
 

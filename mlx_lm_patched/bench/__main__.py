@@ -17,6 +17,7 @@ MODULES = [
     "e2e",
     "attention",
     "disk",
+    "disk_write",
     "slack",
     "rounds",
     "quality",

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         CacheList,
         ChunkedKVCache,
         KVCache,
+        PromptBlocks,
         PromptTrie,
         QuantizedKVCache,
         RotatingKVCache,
@@ -110,6 +111,11 @@ class LRUPromptCache:
         self._lru = LRUPromptCache.CacheOrder()
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
+        self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
+
+    @property
+    def nbytes(self):
+        return self._n_bytes + self._blocks.nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         result = self._trie.search(model, tokens)
@@ -146,7 +152,7 @@ class LRUPromptCache:
                 if self.bits is not None and isinstance(c, QuantizedKVCache)
                 else _copy_cache(c, copy.copy)
             )
-            for c in cache_entry.prompt_cache
+            for c in self._blocks.assemble(cache_entry.prompt_cache)
         ]
 
     def insert_cache(
@@ -159,6 +165,7 @@ class LRUPromptCache:
     ):
         # Store a copy of the live tokens, not the working buffers
         prompt_cache = [self._at_rest(c) for c in prompt_cache]
+        prompt_cache = self._blocks.share(model, tokens, prompt_cache)
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -170,6 +177,7 @@ class LRUPromptCache:
         self._n_bytes_by_type[cache_type] += entry.nbytes
         prev = self._trie.add(model, tokens, entry)
         if prev is not None:
+            self._blocks.release(prev.prompt_cache)
             self._n_bytes -= prev.nbytes
             self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
             self._lru.remove(model, tokens)
@@ -179,6 +187,7 @@ class LRUPromptCache:
         # space
         if can_trim_prompt_cache(prompt_cache):
             for prefix_len, entry in self._trie.pop_prefixes(model, tokens):
+                self._blocks.release(entry.prompt_cache)
                 self._n_bytes -= entry.nbytes
                 self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
                 self._lru.remove(model, tokens[:prefix_len])
@@ -202,13 +211,14 @@ class LRUPromptCache:
 
         while len(self._lru) > n_sequences:
             self._evict()
-        while self._n_bytes > n_bytes:
+        while self.nbytes > n_bytes:
             self._evict()
 
     def _evict(self):
         """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
         model, tokens = self._lru.pop()
         entry = self._trie.pop(model, tokens)
+        entry.prompt_cache = self._blocks.release(entry.prompt_cache)
         self._n_bytes -= entry.nbytes
         self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
         return model, tokens, entry

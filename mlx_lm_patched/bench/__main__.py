@@ -20,6 +20,7 @@ MODULES = [
     "slack",
     "quality",
     "qdecode",
+    "prefix_blocks",
 ]
 
 

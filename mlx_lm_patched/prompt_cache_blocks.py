@@ -88,12 +88,12 @@ class PromptBlocks:
         """``prompt_cache`` (an entry at rest, the cache of ``tokens``) with
         the whole blocks of its ``KVCache`` and ``QuantizedKVCache`` layers
         shared; other layers as they are."""
-        import hashlib  # (prompt_cache_dir binds it in the module, later)
+        import hashlib  # local: prompt_cache_dir adds it to the module, later
 
         size, digests = self.block_size, []
         seed = hashlib.sha256(repr(model).encode()).digest()
         for start in range(0, len(tokens) - size + 1, size):
-            block = str([int(t) for t in tokens[start : start + size]]).encode()
+            block = repr(list(tokens[start : start + size])).encode()
             seed = hashlib.sha256(seed + block).digest()
             digests.append(seed)
         out = []

@@ -30,6 +30,12 @@ for a server whose working caches are not quantized: every quantized
 dequantized on fetch. Rings stay as they are (a quantized ring cannot step
 back over its window to a common prefix).
 
+Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
+``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
+assembles the entry (``_working_cache``), an entry leaving (replaced, a
+prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns it
+whole), and ``nbytes`` counts each block once.
+
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
 place for a subclass to spill what leaves memory (a disk tier). Whether an

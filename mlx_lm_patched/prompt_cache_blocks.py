@@ -60,6 +60,10 @@ class SharedPrefixCache(_BaseCache):
     def is_trimmable(self):
         return True
 
+    @staticmethod
+    def _check_state(v):
+        raise ValueError("a SharedPrefixCache lives in a prompt cache, never in a file")
+
     def whole(self):
         """The layer at rest as ``share`` took it (concatenated lazily)."""
         parts = [b[0] for b in self.blocks] + [self.tail]

@@ -13,7 +13,9 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     RotatingKVCache,
     SharedPrefixCache,
+    load_prompt_cache,
     make_prompt_cache,
+    save_prompt_cache,
 )
 from ringref import active, random_kv, same
 
@@ -204,6 +206,23 @@ def test_an_entry_evicted_to_disk_is_written_whole(patched, tmp_path):
     (got,), rest = disk.get("m", convs[0][0])
     assert rest == [] and same(got.state[:2], live(convs[0][1][0]))
     disk.close()
+
+
+def test_a_file_naming_a_shared_layer_is_refused_naming_it(patched, tmp_path):
+    """Entries' layers live only in memory: a file claiming one is a
+    ``ValueError`` naming the file, not a layer without blocks."""
+    path = str(tmp_path / "cache.safetensors")
+    cache = KVCache()
+    cache.update_and_fetch(*random_kv(1, H, 4, D))
+    save_prompt_cache(path, [cache])
+    arrays, metadata = mx.load(path, return_metadata=True)
+    named = {k: v.replace("KVCache", "SharedPrefixCache") for k, v in metadata.items()}
+    assert named != metadata
+    mx.save_safetensors(path, arrays, named)
+    with pytest.raises(
+        ValueError, match="cache.safetensors: layer 0 .*never in a file"
+    ):
+        load_prompt_cache(path)
 
 
 def test_a_block_size_below_one_is_refused():

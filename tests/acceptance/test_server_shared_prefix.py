@@ -19,11 +19,16 @@ under the flag but log 17 prefixes, far over the bound.
 import re
 import threading
 
-from harness import REPORT, WORDS, Server
+from harness import MODELS, REPORT, WORDS, Server
+
+from mlx_lm_patched import tiny
 
 CHATS = 16
 SYSTEM = " ".join((WORDS * 8)[:2300])  # 4,097 tokens on the tiny tokenizer
-PER_TOKEN = 2 * 4 * 2 * 16 * 4  # tiny llama: K and V, 4 layers, 2 heads of 16, f32
+CONFIG = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
+# K and V of every layer, float32 (the tiny models' dtype)
+PER_TOKEN = 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * 4
+PER_TOKEN *= CONFIG["head_dim"]
 # One prefix plus the tails: 4,200 tokens for the system prompt (template
 # included) and per conversation 64 tokens of its last partial block and 64
 # of its own (question, template, reply).

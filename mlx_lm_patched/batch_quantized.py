@@ -345,16 +345,16 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     def extract(self, idx):
         row = BatchRotatingKVCache.extract(self, idx)
         cache = QuantizedRotatingKVCache(
-            self.max_size, self.keep, self.group_size, self.bits
+            self.max_size, self.keep, self.group_size, self.bits, row.slack
         )
-        cache.offset = row.offset
+        cache.offset, cache._lo, cache._hi = row.offset, row._lo, row._hi
         if row.keys is not None:
-            cache.keys = tuple(
-                map(mx.contiguous, self._unpack(row.keys, self.head_dims[0]))
-            )
-            cache.values = tuple(
-                map(mx.contiguous, self._unpack(row.values, self.head_dims[1]))
-            )
+            # The row and its undo ring (its slack's evicted tokens), unpacked.
+            for name in ("keys", "values", "_undo_keys", "_undo_values"):
+                x, dim = getattr(row, name), self.head_dims[name.endswith("values")]
+                if x is not None:
+                    parts = map(mx.contiguous, self._unpack(x, dim))
+                    setattr(cache, name, tuple(parts))
             cache._idx = row._idx
             cache.dtype, cache.head_dims = self.dtype, self.head_dims
         return cache
@@ -367,7 +367,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         # Each row as a RotatingKVCache of packed tokens, merged as those are.
         rows = []
         for c in caches:
-            row = RotatingKVCache(c.max_size, c.keep)
+            row = RotatingKVCache(c.max_size, c.keep, c.slack)
             if c.keys is not None:
                 row.keys, row.values = cls._pack(c, c.keys), cls._pack(c, c.values)
             row.offset, row._idx = c.offset, c._idx
@@ -408,9 +408,13 @@ class _BatchRotatingKVCache:
         if self._lengths is not None:
             cache._lengths = mx.array(self._lengths)
             cache._padded = self._padded
-        if self.keys is not None:
-            keys, values = _quantize_update(cache, self.keys, self.values)
-            cache.keys, cache.values = cache._pack(keys), cache._pack(values)
+        # The ring and its undo ring (``slack``), each packed.
+        cache.slack, cache._lo, cache._hi = self.slack, self._lo, self._hi
+        for k, v in (("keys", "values"), ("_undo_keys", "_undo_values")):
+            if getattr(self, k) is not None:
+                parts = _quantize_update(cache, getattr(self, k), getattr(self, v))
+                setattr(cache, k, cache._pack(parts[0]))
+                setattr(cache, v, cache._pack(parts[1]))
         return cache
 
 

@@ -31,7 +31,7 @@ that writes every entry it evicts (``_evict``, ``prompt_cache_store``) to
 serves it from there.
 """
 
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -274,12 +274,22 @@ class DiskPromptCache(PromptCacheDir):
 
 class DiskLRUPromptCache(LRUPromptCache):
     """An ``LRUPromptCache`` that writes what it evicts to ``disk`` (a
-    ``DiskPromptCache``) and reads from it where memory has less."""
+    ``DiskPromptCache``) and reads from it where memory has less. With
+    ``bits``, files hold the entries as quantized at rest, dequantized on
+    fetch."""
 
     def __init__(
-        self, disk: "DiskPromptCache", max_size: int = 10, max_bytes: int = 1 << 63
+        self,
+        disk: "DiskPromptCache",
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        bits: Optional[int] = None,
+        group_size: int = 64,
     ):
-        LRUPromptCache.__init__(self, max_size, max_bytes)
+        LRUPromptCache.__init__(
+            self, max_size, max_bytes, bits=bits, group_size=group_size
+        )
         self.disk = disk
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
@@ -291,7 +301,7 @@ class DiskLRUPromptCache(LRUPromptCache):
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")
                 found = None
             if found is not None:
-                return found
+                return self._working(found[0]), found[1]
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):

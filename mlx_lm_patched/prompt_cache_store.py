@@ -21,14 +21,14 @@ once, so a hit peaks at the entry plus one working cache.
 
 ``LRUPromptCache(..., bits=8)`` (or 4) keeps entries quantized at rest: each
 ``KVCache`` layer is stored as a ``QuantizedKVCache`` of ``bits`` and
-``group_size`` (about 0.53x and 0.28x of bfloat16's bytes with group size
-64), and a fetch gives it back dequantized into a ``KVCache`` of the
-original dtype, so a batch computes at its own precision while 2-4x more
+``group_size``, each ``RotatingKVCache`` (a sliding layer) as a
+``QuantizedRotatingKVCache`` of its live tokens, slack and undo ring
+included (about 0.53x and 0.28x of bfloat16's bytes with group size 64),
+and a fetch gives it back dequantized into a cache of the original class
+and dtype, so a batch computes at its own precision while 2-4x more
 entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
-for a server whose working caches are not quantized: every quantized
-``QuantizedKVCache`` entry, also one read back from a disk tier, is
-dequantized on fetch. Rings stay as they are (a quantized ring cannot step
-back over its window to a common prefix).
+for a server whose working caches are not quantized: every quantized entry,
+also one read back from a disk tier (``_working``), is dequantized on fetch.
 
 Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
 ``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         PromptBlocks,
         PromptTrie,
         QuantizedKVCache,
+        QuantizedRotatingKVCache,
         RotatingKVCache,
         _BaseCache,
         can_trim_prompt_cache,
@@ -150,15 +151,19 @@ class LRUPromptCache:
         return can_trim_prompt_cache(prompt_cache, n)
 
     def _working_cache(self, cache_entry):
-        """A cache to generate with, sharing the entry's buffers until written
-        (an entry quantized at rest: dequantized)."""
+        return self._working(self._blocks.assemble(cache_entry.prompt_cache))
+
+    def _working(self, prompt_cache):
+        """A cache to generate with, sharing the stored one's buffers until
+        written (quantized at rest: dequantized)."""
+        quantized = (QuantizedKVCache, QuantizedRotatingKVCache)
         return [
             (
                 c.to_kv_cache()
-                if self.bits is not None and isinstance(c, QuantizedKVCache)
+                if self.bits is not None and isinstance(c, quantized)
                 else _copy_cache(c, copy.copy)
             )
-            for c in self._blocks.assemble(cache_entry.prompt_cache)
+            for c in prompt_cache
         ]
 
     def insert_cache(
@@ -203,9 +208,10 @@ class LRUPromptCache:
 
     def _at_rest(self, cache):
         """A copy of ``cache``'s live tokens as an entry keeps them."""
-        if self.bits is None or type(cache) is not KVCache:
+        if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
             return _copy_cache(cache, mx.array)
-        quantized = cache.to_quantized(group_size=self.group_size, bits=self.bits)
+        live = _copy_cache(cache, copy.copy)  # shares the buffers
+        quantized = live.to_quantized(group_size=self.group_size, bits=self.bits)
         mx.eval(quantized.state)
         return quantized
 
@@ -239,5 +245,6 @@ PATCH = Patch(
     requires=(
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)
+        "mlx_lm.models.cache:QuantizedRotatingKVCache",  # trims within its slack
     ),
 )

@@ -10,6 +10,13 @@ same masks, same trims), holding ``mx.quantize`` tuples that attention reads
 through ``bits``, written in place.
 ``to_kv_cache()`` dequantizes it back into a ``RotatingKVCache``, and it
 saves and loads through ``save_prompt_cache``/``load_prompt_cache``.
+
+It steps back as the bf16 ring does (``slack``, see ``rotating_prealloc``):
+each quantized part is a ring of its own with its own undo ring, so a
+server with ``--kv-bits`` on a sliding-window model trims a stored entry
+back to a common prefix after a wrap, and ``to_quantized``,
+``to_kv_cache`` and the state keep the slack and what the undo ring holds
+(five more state items, as the bf16 ring's).
 """
 
 from typing import TYPE_CHECKING, Optional
@@ -21,7 +28,7 @@ from ._registry import Patch, cache_class, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from .quantized_cache import _check_quantized, _kv_quantize
-    from .rotating_prealloc import _put
+    from .rotating_prealloc import _hold, _put
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there:
@@ -50,8 +57,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     # (B, H, max_size, ...) once allocated; a token's groups lie along its
     # own head dim, so moving a slot moves its token exactly.
 
-    def __init__(self, max_size, keep=0, group_size: int = 64, bits: int = 8):
-        RotatingKVCache.__init__(self, max_size, keep)
+    # With ``slack``, ``_undo_keys``/``_undo_values`` are quantized tuples too
+    # (each part ``(B, H, 2 * slack, ...)``), ``_lo``/``_hi`` as the ring's.
+
+    def __init__(
+        self, max_size, keep=0, group_size: int = 64, bits: int = 8, slack=None
+    ):
+        RotatingKVCache.__init__(self, max_size, keep, slack)
         # As in QuantizedKVCache (see its __init__).
         self.group_size = group_size
         self.bits = bits
@@ -70,21 +82,45 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         self.keys = tuple(ring(n, o) for n, o in zip(keys, old_k))
         self.values = tuple(ring(n, o) for n, o in zip(values, old_v))
 
+    def _per_part(self, method, *args):
+        """``method(ring, *args)`` on each quantized part as a
+        ``RotatingKVCache`` of its own (its slots, positions and undo ring
+        this ring's); tuple arguments are taken part by part. Returns what
+        each call returned; this ring takes their state (none if one raised)."""
+        rings, out = [], []
+        undo = [self._undo_keys or (None,) * 3, self._undo_values or (None,) * 3]
+        for i, parts in enumerate(zip(self.keys, self.values, *undo)):
+            ring = RotatingKVCache(self.max_size, self.keep, self.slack)
+            ring.keys, ring.values, ring._undo_keys, ring._undo_values = parts
+            ring.offset, ring._idx = self.offset, self._idx
+            ring._lo, ring._hi = self._lo, self._hi
+            out.append(method(ring, *(a[i] if type(a) is tuple else a for a in args)))
+            rings.append(ring)
+        self.keys, self.values, undo_keys, undo_values = (
+            tuple(getattr(r, name) for r in rings)
+            for name in ("keys", "values", "_undo_keys", "_undo_values")
+        )
+        if undo_keys[0] is not None:
+            self._undo_keys, self._undo_values = undo_keys, undo_values
+        for name in ("offset", "_idx", "_lo", "_hi"):
+            setattr(self, name, getattr(rings[0], name))
+        return out
+
+    def _hold_parts(self, fetched):
+        """``_hold`` on each part: with slack, the next tokens to leave the
+        window are copied to the undo ring before they are overwritten."""
+        offset, oldest = self.offset, self.offset - self.max_size + self.keep
+        if not self.slack or oldest < self.keep or self._hi > oldest:
+            return fetched  # ``_hold`` copies nothing (most decode steps)
+        held = self._per_part(lambda r, k, v: _hold(r, (k, v), offset), *fetched)
+        return tuple(tuple(p) for p in zip(*held))
+
     def _update_past_ring(self, keys, values):
         """``RotatingKVCache._update_past_ring`` on each quantized part, which
         is a ring of that layout itself: attention sees the last
         ``max_size - 1`` tokens and the new ones; the ring keeps the newest."""
-        parts, seen = [], []
-        for k_ring, v_ring, k, v in zip(self.keys, self.values, keys, values):
-            ring = RotatingKVCache(self.max_size, self.keep)
-            ring.keys, ring.values = k_ring, v_ring
-            ring.offset, ring._idx = self.offset, self._idx
-            seen.append(ring._update_past_ring(k, v))
-            parts.append((ring.keys, ring.values))
-        self.keys, self.values = (tuple(p) for p in zip(*parts))
-        self.offset += keys[0].shape[2]
-        self._idx = self.max_size
-        return tuple(zip(*seen))
+        seen = self._per_part(RotatingKVCache._update_past_ring, keys, values)
+        return tuple(tuple(p) for p in zip(*seen))
 
     def update_and_fetch(self, keys, values):
         B, H, S, _ = keys.shape
@@ -102,7 +138,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             self.values = tuple(_put(c, x, [prev]) for c, x in zip(self.values, values))
             self.offset += S
             self._idx = self.offset
-            return self.keys_and_values()
+            return self._hold_parts(self.keys_and_values())
         if S > 1:
             return self._update_past_ring(keys, values)
         if self._idx == self.max_size:
@@ -111,7 +147,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             c[:, :, self._idx : self._idx + 1] = x
         self.offset += 1
         self._idx += 1
-        return self.keys, self.values
+        return self._hold_parts((self.keys, self.values))
 
     def keys_and_values(self):
         if self.offset < self.keys[0].shape[2]:
@@ -126,7 +162,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         keys, values = self.keys, self.values
         if keys is not None and self.offset < keys[0].shape[2]:
             keys, values = self.keys_and_values()
-        return (
+        state = (
             keys,
             values,
             self.offset,
@@ -138,25 +174,39 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             self.dtype,
             self.head_dims,
         )
+        if self.slack:
+            undo = self._undo_keys, self._undo_values
+            state += (*undo, self.slack, self._lo, self._hi)
+        return state
 
     @state.setter
     def state(self, v):
-        RotatingKVCache.state.fset(self, v[:6])
-        keys, values = v[:2]
-        self.group_size, self.bits, self.dtype, head_dims = v[6:]
-        self.keys = None if keys is None else tuple(keys)
-        self.values = None if values is None else tuple(values)
+        RotatingKVCache.state.fset(self, (*v[:6], *v[10:]))
+        self.group_size, self.bits, self.dtype, head_dims = v[6:10]
+        for name in ("keys", "values", "_undo_keys", "_undo_values"):
+            x = getattr(self, name)
+            setattr(self, name, None if x is None else tuple(x))
         self.head_dims = None if head_dims is None else tuple(head_dims)
 
     @staticmethod
     def _check_state(v):
-        if len(v) != 10:
-            raise ValueError(f"{len(v)} state items, a QuantizedRotatingKVCache has 10")
-        keys, values, offset, keep, max_size, _idx = v[:6]
-        _check_quantized(keys, values, *v[6:])
+        if len(v) not in (10, 15):
+            raise ValueError(
+                f"{len(v)} state items, a QuantizedRotatingKVCache has 10 or 15"
+            )
+        _check_quantized(*v[:2], *v[6:10])
+        if len(v) == 15:
+            _check_quantized(*v[10:12], *v[6:10])
         # The ring's rules, on the packed parts (one slot per token, as the ring).
-        packed = [None if x is None else x[0] for x in (keys, values)]
-        RotatingKVCache._check_state((*packed, offset, keep, max_size, _idx))
+        packed = [None if x is None else x[0] for x in (*v[:2], *v[10:12])]
+        RotatingKVCache._check_state((*packed[:2], *v[2:6], *packed[2:], *v[12:]))
+
+    def trim(self, n):
+        """``RotatingKVCache.trim`` on each quantized part; raises, changing
+        nothing, where it cannot trim ``n`` exactly."""
+        if self.keys is None:
+            return RotatingKVCache.trim(self, n)
+        return self._per_part(RotatingKVCache.trim, n)[0]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """Already quantized: ``generate_step`` asks again after every step."""
@@ -169,16 +219,22 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     def to_kv_cache(self):
         """The ring dequantized into a ``RotatingKVCache`` of the original dtype."""
-        cache = RotatingKVCache(self.max_size, self.keep)
+        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
         if self.keys is None or self.offset == 0:
             return cache
         dtype = getattr(mx, self.dtype)
+        held = self.keys_and_values()
+        if self._undo_keys is not None:
+            held += (self._undo_keys, self._undo_values)
         out = []
-        for parts, dim in zip(self.keys_and_values(), self.head_dims):
+        for parts, dim in zip(held, self.head_dims * 2):
             x = mx.dequantize(*parts, group_size=self.group_size, bits=self.bits)
             out.append(x[..., :dim].astype(dtype))
-        cache.keys, cache.values = out
+        cache.keys, cache.values, *undo = out
+        if undo:
+            cache._undo_keys, cache._undo_values = undo
         cache.offset, cache._idx = self.offset, self._idx
+        cache._lo, cache._hi = self._lo, self._hi
         return cache
 
     def make_mask(
@@ -192,19 +248,33 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     def nbytes(self):
         if self.keys is None:
             return 0
-        return sum(x.nbytes for x in self.keys + self.values)
+        held = (
+            self.keys
+            + self.values
+            + (self._undo_keys or ())
+            + (self._undo_values or ())
+        )
+        return sum(x.nbytes for x in held)
 
 
 class _RotatingKVCache:
     def to_quantized(
         self, group_size: int = 64, bits: int = 4
     ) -> "QuantizedRotatingKVCache":
-        cache = QuantizedRotatingKVCache(self.max_size, self.keep, group_size, bits)
+        cache = QuantizedRotatingKVCache(
+            self.max_size, self.keep, group_size, bits, self.slack
+        )
         if self.keys is not None and self.offset > 0:
-            if self.keys.shape[2] != self.max_size:
+            # Upstream's layout past the ring becomes the ring's; a shorter
+            # state (a stored entry's live tokens) stays as short.
+            if self.keys.shape[2] > self.max_size:
                 self._allocate(self.keys, self.values)
             cache.keys, cache.values = _quantize_update(cache, self.keys, self.values)
             cache.offset, cache._idx = self.offset, self._idx
+            if self._undo_keys is not None:
+                undo = _quantize_update(cache, self._undo_keys, self._undo_values)
+                cache._undo_keys, cache._undo_values = undo
+                cache._lo, cache._hi = self._lo, self._hi
         return cache
 
 

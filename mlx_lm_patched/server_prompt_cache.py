@@ -11,13 +11,19 @@ running batch holds (``server_kv_bits``'s ``_generate``). The size the
 server logs before each request is exact (``... 0.00 GB (1638400 B)``):
 GB to two decimals hid every budget under 5 MB.
 
+``--prompt-cache-bits {4,8}`` (with ``--prompt-cache-group-size``, default
+64) keeps the prompt cache's entries quantized at rest, in memory and on
+disk (``prompt_cache_store``): about 0.53x and 0.28x of bfloat16's bytes,
+dequantized when a request takes one, so requests compute at their own
+precision.
+
 ``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
 (``prompt_cache_disk``): what memory evicts is written to DIR by a
 background thread, read back where memory has less of a prompt, and found
 again after a restart (stopped with Ctrl-C, the server writes what memory
 still holds); ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR.
 Upstream's ``main`` builds its parser inline, so it is here whole, with
-the two flags added. Its size flags took upstream's ``_parse_size``, whose
+the flags added. Its size flags took upstream's ``_parse_size``, whose
 ``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
 ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
 or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
@@ -56,8 +62,13 @@ def run(
 ):
     group = mx.distributed.init()
     cli_args = model_provider.cli_args
+    # Entries quantized at rest (RAM and disk); the batch computes at its own.
+    at_rest = {
+        "bits": getattr(cli_args, "prompt_cache_bits", None),
+        "group_size": getattr(cli_args, "prompt_cache_group_size", 64),
+    }
     if cli_args.prompt_cache_dir is None:
-        prompt_cache = LRUPromptCache(cli_args.prompt_cache_size)
+        prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, **at_rest)
     else:
         from .models.cache import DiskLRUPromptCache, DiskPromptCache
 
@@ -66,7 +77,7 @@ def run(
         if group.size() > 1:
             directory = directory / f"rank{group.rank()}"
         disk = DiskPromptCache(str(directory), cli_args.prompt_cache_disk_bytes)
-        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size)
+        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
     response_generator = ResponseGenerator(model_provider, prompt_cache)
@@ -273,6 +284,20 @@ def main():
         help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
     )
     parser.add_argument(
+        "--prompt-cache-bits",
+        type=int,
+        choices=[4, 8],
+        help="Keep prompt cache entries quantized to 4 or 8 bits at rest, in "
+        "memory and on disk; requests still compute at their own precision",
+    )
+    parser.add_argument(
+        "--prompt-cache-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=64,
+        help="Group size of --prompt-cache-bits (default: 64)",
+    )
+    parser.add_argument(
         "--kv-bits",
         type=int,
         default=None,
@@ -311,8 +336,9 @@ def main():
 PATCH = Patch(
     "server_prompt_cache",
     "server: --prompt-cache-bytes holds on every insert and after every batch "
-    "step; --prompt-cache-dir keeps evicted prompt caches on disk; bad sizes "
-    "and directories are one-line errors",
+    "step; --prompt-cache-dir keeps evicted prompt caches on disk; "
+    "--prompt-cache-bits keeps them quantized at rest; bad sizes and "
+    "directories are one-line errors",
     targets("mlx_lm.server", run, main, _parse_byte_size, _prompt_cache_dir)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(

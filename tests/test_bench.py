@@ -245,7 +245,7 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     """On a tiny model: the reference row agrees with itself, a ring as large
     as the sequence changes nothing, a merged batch gives each row its single
     stream's tokens, a ring smaller than the context does change some, and
-    an 8-bit entry at rest leaves perplexity within 5%."""
+    an 8-bit entry at rest (full layers or rings) leaves perplexity within 5%."""
     from mlx_lm_patched.bench import quality
 
     path = make_tiny_dir("llama_sliding", vocab_size=512)
@@ -261,3 +261,8 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     # An entry quantized at rest (8-bit) and fetched back costs little.
     at_rest = rows["prompt cache entry at rest, 8-bit (half)"]
     assert at_rest[0] == pytest.approx(reference[0], rel=0.05)
+    # So does a ring's (wrapped, 16 of 48 tokens): as the bf16 ring's.
+    ring_at_rest = rows["entry at rest, 8-bit, ring 16 (half)"]
+    assert ring_at_rest[0] == pytest.approx(
+        rows["ring 16 (max_kv_size, keep 4)"][0], rel=0.05
+    )

@@ -49,6 +49,15 @@ def live(cache):
     return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache]
 
 
+def held(cache):
+    """Per layer: offset, ring slot, and the tokens its slots hold."""
+    return [
+        (c.offset, getattr(c, "_idx", 0))
+        + tuple(x[..., : min(c.offset, x.shape[2]), :] for x in (c.keys, c.values))
+        for c in cache
+    ]
+
+
 def disk(directory, max_bytes=1 << 63):
     from mlx_lm.models.cache import DiskPromptCache
 
@@ -260,6 +269,51 @@ def test_evicted_entries_are_read_back_where_upstream_has_none(load_tiny, tmp_pa
     mlx_lm_patched.revert()
     upstream = fetch_after_eviction(LRUPromptCache(max_size=1))
     assert upstream.fetch_nearest_cache(MODEL, first + EXTRA) == (None, first + EXTRA)
+
+
+@pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
+def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
+    bits, most, load_tiny, tmp_path, monkeypatch
+):
+    """With ``bits``, an evicted entry is written as it rests in memory
+    (quantized triples; sliding layers as quantized rings with their slack),
+    read back as that entry and fetched dequantized: the working cache a
+    fetch from memory gives, bit for bit, exact or trimmed back within the
+    slack; the file's arrays at most 0.55x / 0.30x of a bfloat16 tier's."""
+    from mlx_lm.models.cache import (
+        DiskLRUPromptCache,
+        LRUPromptCache,
+        RotatingKVCache,
+        load_prompt_cache,
+    )
+
+    monkeypatch.setattr(RotatingKVCache, "slack", 8)  # as the server's rings
+    model, _ = load_tiny("gemma3_text", dtype="bfloat16", head_dim=64)
+    first, second = PROMPT[:300], PROMPT[300:]
+    stored = {}
+    for name, at_rest in (("bf16", {}), ("quantized", {"bits": bits})):
+        tier = disk(tmp_path / name)
+        lru = DiskLRUPromptCache(tier, max_size=1, **at_rest)
+        lru.insert_cache(MODEL, first, prefilled(model, first))
+        lru.insert_cache(MODEL, second, prefilled(model, second))  # evicts first
+        tier.flush()
+        (name_on_disk,) = files(tmp_path / name)
+        stored[name] = load_prompt_cache(str(tmp_path / name / name_on_disk))
+        if at_rest:
+            ram = LRUPromptCache(bits=bits)
+            ram.insert_cache(MODEL, first, prefilled(model, first))
+            for prompt in (first + EXTRA, first[:297] + EXTRA):
+                got, rest = lru.fetch_nearest_cache(MODEL, prompt)
+                want, _ = ram.fetch_nearest_cache(MODEL, prompt)
+                assert rest == EXTRA and got[0].offset == len(prompt) - len(EXTRA)
+                assert [type(c) for c in got] == [type(c) for c in want]
+                assert {c.keys.dtype for c in got} == {mx.bfloat16}
+                assert same(held(got), held(want))
+        tier.close()
+    kinds = [type(c).__name__ for c in stored["quantized"]]
+    assert kinds == ["QuantizedRotatingKVCache", "QuantizedKVCache"] * 2
+    nbytes = {k: sum(c.nbytes for c in v) for k, v in stored.items()}
+    assert nbytes["quantized"] <= most * nbytes["bf16"]
 
 
 def test_a_failed_write_is_warned_and_the_tier_goes_on(load_tiny, tmp_path, caplog):

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
     QuantizedKVCache,
+    QuantizedRotatingKVCache,
     RotatingKVCache,
 )
 from ringref import active, random_kv, same, single_stream
@@ -257,6 +258,36 @@ def test_a_fetch_from_a_store_at_rest_trims_back_to_the_common_prefix():
     assert rest == [99] and fetched[0].offset == 30
     # The entry itself stays whole and quantized.
     assert store.nbytes > 0
+
+
+@pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
+def test_sliding_layers_rest_quantized_and_step_back_within_their_slack(bits, most):
+    """A wrapped bfloat16 ring (a sliding layer with slack) rests as a
+    ``QuantizedRotatingKVCache`` of its live tokens and undo ring, at most
+    0.55x / 0.30x of bfloat16's bytes; a fetch trims it back to a common
+    prefix within the slack and gives a bfloat16 ring that holds what
+    ``mx.quantize``/``mx.dequantize`` make of the tokens the plain store's
+    fetch holds, bit for bit."""
+    plain, at_rest = LRUPromptCache(), LRUPromptCache(bits=bits, group_size=64)
+    ring = RotatingKVCache(64, keep=4, slack=8)
+    for n in [100] + [1] * 40:  # wrapped, decoded past the window
+        ring.update_and_fetch(*random_kv(1, H, n, 128, dtype=mx.bfloat16))
+    tokens = list(range(140))
+    for store in (plain, at_rest):
+        store.insert_cache("m", tokens, [ring])
+    assert at_rest.nbytes <= most * plain.nbytes
+    (entry,) = at_rest._trie.get("m", tokens).prompt_cache
+    assert type(entry) is QuantizedRotatingKVCache and entry.bits == bits
+    assert entry.keys[0].shape[2] == 64  # the live tokens: no more slots
+    prompt = tokens[:135] + [999]  # 5 tokens back: within the slack
+    (want,), rest = plain.fetch_nearest_cache("m", prompt)
+    (got,), rest_at_rest = at_rest.fetch_nearest_cache("m", prompt)
+    assert rest == rest_at_rest == [999]
+    assert type(got) is RotatingKVCache and got.keys.dtype == mx.bfloat16
+    assert (got.offset, got._idx, got.slack) == (want.offset, want._idx, 8)
+    for x, y in ((got.keys, want.keys), (got.values, want.values)):
+        q = mx.quantize(y, group_size=64, bits=bits)
+        assert same(x, mx.dequantize(*q, group_size=64, bits=bits))
 
 
 def test_bits_other_than_4_or_8_are_refused():

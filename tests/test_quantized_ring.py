@@ -19,7 +19,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
 from mlx_lm.models import cache as cache_module
-from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+)
 from ringref import data_pointer, random_kv, reference_mask, same, same_mask, save_load
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
@@ -148,6 +153,73 @@ def test_a_quantized_ring_is_not_quantized_again(patched):
     ring = cache[0]
     maybe_quantize_kv_cache(cache, 0, 64, 4)
     assert cache[0] is ring and type(ring) is QuantizedRotatingKVCache
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_ring_steps_back_within_its_slack_as_the_fp_ring(patched, bits):
+    # The fp ring with slack is the reference: every trim it can do, the
+    # quantized ring can, and both then hold the same tokens (quantized).
+    rng = random.Random(bits)
+    trims = 0
+    for _ in range(12):
+        slack = rng.choice([2, 4])
+        fp = RotatingKVCache(16, keep=4, slack=slack)
+        q = fp.to_quantized(bits=bits)
+        assert q.slack == slack
+        for S in sizes(rng, 16) + [1] * 20:
+            k, v = random_kv(1, 2, S, 64)
+            fk = fp.update_and_fetch(k, v)[0]
+            qk = dequantized(q.update_and_fetch(k, v)[0], bits=bits)
+            assert same(qk, roundtrip(mx.array(fk), bits=bits))
+            assert q.trimmable_tokens() == fp.trimmable_tokens()
+            n = rng.randint(0, fp.trimmable_tokens())
+            if fp.offset > 16 and n and rng.random() < 0.4:
+                assert can_trim_prompt_cache([q], n)
+                assert q.trim(n) == fp.trim(n) == n
+                trims += 1
+            assert (q.offset, q._idx, q._lo, q._hi) == (
+                fp.offset,
+                fp._idx,
+                fp._lo,
+                fp._hi,
+            )
+            if rng.random() < 0.2:
+                q = save_load(q)  # the undo ring survives save and load
+    assert trims > 10
+    beyond = q.trimmable_tokens() + 1
+    if q.offset > 16:
+        assert not can_trim_prompt_cache([q], beyond)
+        with pytest.raises(ValueError):
+            q.trim(beyond)
+
+
+def test_trimmed_quantized_rings_give_the_logits_of_a_fresh_cache(
+    patched, load_tiny, monkeypatch
+):
+    # gemma3_text: sliding layers of 64 (quantized rings) and full ones.
+    # Cache A decodes 12 tokens past the wrap and trims 6 of them back
+    # (within the slack of 8); cache B is built afresh the same way without
+    # them. The next token's logits agree (float32 model: 1e-5).
+    monkeypatch.setattr(RotatingKVCache, "slack", 8)
+    model, _ = load_tiny("gemma3_text")
+    prompt, decoded, last = list(range(3, 103)), list(range(200, 212)), 7
+
+    def cache_after(tokens):
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        maybe_quantize_kv_cache(cache, 0, 64, 4)
+        for t in tokens:
+            model(mx.array([[t]]), cache=cache)
+        return cache
+
+    a, b = cache_after(decoded), cache_after(decoded[:6])
+    assert type(a[0]) is QuantizedRotatingKVCache and a[0].offset > 64
+    most = a[0].trimmable_tokens()  # the slack, and up to twice it held
+    assert 8 <= most <= 16 and can_trim_prompt_cache(a, 6)
+    assert not can_trim_prompt_cache(a, most + 1)
+    assert cache_module.trim_prompt_cache(a, 6) == 6
+    logits = [model(mx.array([[last]]), cache=c)[0, -1] for c in (a, b)]
+    assert mx.abs(logits[0] - logits[1]).max().item() <= 1e-5
 
 
 def test_upstream_cannot_quantize_a_rotating_cache(upstream):

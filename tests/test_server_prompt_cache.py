@@ -123,3 +123,26 @@ def test_size_flags_take_units(patched, monkeypatch, tmp_path, size):
     server.main()
     (args,) = ran
     assert args.prompt_cache_bytes == args.prompt_cache_disk_bytes == SIZES[size]
+
+
+@pytest.mark.parametrize("dir_flags", [[], ["--prompt-cache-dir"]])
+def test_prompt_cache_bits_reach_the_prompt_cache_and_bad_bits_are_refused(
+    patched, monkeypatch, tmp_path, capsys, dir_flags
+):
+    from mlx_lm import server
+
+    provider, run = [], server.run
+    monkeypatch.setattr(server, "run", lambda host, port, p: provider.append(p))
+    monkeypatch.setattr(server, "ModelProvider", lambda args: args)
+    flags = ["--prompt-cache-bits", "4", "--prompt-cache-group-size", "32"]
+    flags += [*dir_flags, *([str(tmp_path)] if dir_flags else [])]
+    monkeypatch.setattr("sys.argv", ["mlx_lm.server", *flags])
+    server.main()
+    args = vars(provider[0])
+    monkeypatch.setattr(server, "run", run)
+    prompt_cache = run_prompt_cache(monkeypatch, **args)
+    assert (prompt_cache.bits, prompt_cache.group_size) == (4, 32)
+    monkeypatch.setattr("sys.argv", ["mlx_lm.server", "--prompt-cache-bits", "3"])
+    with pytest.raises(SystemExit):
+        server.main()
+    assert "--prompt-cache-bits: invalid choice: 3" in capsys.readouterr().err

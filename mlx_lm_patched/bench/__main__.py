@@ -18,6 +18,7 @@ MODULES = [
     "attention",
     "disk",
     "slack",
+    "rounds",
     "quality",
     "qdecode",
     "prefix_blocks",

@@ -44,13 +44,13 @@ def run(model, tokens, chunk, max_kv_size=None, kv_bits=None, group=64, cache=No
     return mx.concatenate(logits, axis=1)[0], cache
 
 
-def at_rest_run(model, tokens, chunk, bits):
+def at_rest_run(model, tokens, chunk, bits, max_kv_size=None):
     """A prompt cache entry quantized at rest: the first half prefilled and
     stored in ``LRUPromptCache(bits=bits)``, fetched back (dequantized) for
     the whole sequence, the rest run on it. Logits of every position, and
-    the entry's bytes."""
+    the entry's bytes. With ``max_kv_size`` its layers are rings."""
     half = len(tokens) // 2
-    first, cache = run(model, tokens[:half], chunk)
+    first, cache = run(model, tokens[:half], chunk, max_kv_size)
     store = LRUPromptCache(bits=bits)
     store.insert_cache("m", tokens[:half], cache)
     fetched, rest = store.fetch_nearest_cache("m", tokens)
@@ -106,6 +106,10 @@ def rows(args):
         yield f"kv-bits {bits}, group 64, ring {r}", {"kv_bits": bits, "max_kv_size": r}
     for bits in (8, 4):
         yield f"prompt cache entry at rest, {bits}-bit (half)", {"at_rest": bits}
+    for bits in (8, 4):
+        r = rings[len(rings) // 2]
+        options = {"at_rest": bits, "max_kv_size": r}
+        yield f"entry at rest, {bits}-bit, ring {r} (half)", options
 
 
 def main(argv=None):
@@ -152,7 +156,13 @@ def main(argv=None):
             outs = []
             for s in seqs:
                 if "at_rest" in options:
-                    logits, held = at_rest_run(model, s, args.chunk, options["at_rest"])
+                    logits, held = at_rest_run(
+                        model,
+                        s,
+                        args.chunk,
+                        options["at_rest"],
+                        options.get("max_kv_size"),
+                    )
                 else:
                     logits, cache = run(model, s, args.chunk, **options)
                     held = sum(c.nbytes for c in cache)

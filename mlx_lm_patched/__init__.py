@@ -31,6 +31,7 @@ from . import (
     kvcache_pipeline,
     max_kv_size,
     negative_trim,
+    prompt_cache_blocks,
     prompt_cache_checkpoints,
     prompt_cache_dir,
     prompt_cache_disk,
@@ -94,6 +95,7 @@ PATCHES: List[_registry.Patch] = [
     server_kv_bits.PATCH,  # server.py: batching with --kv-bits
     ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
     speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
+    prompt_cache_blocks.PATCH,  # cache.py: PromptBlocks, shared prefix blocks
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
     prompt_cache_checkpoints.PATCH,  # cache.py: ring checkpoints, restored on fetch
     prompt_cache_dir.PATCH,  # cache.py: PromptCacheDir, a directory servers share

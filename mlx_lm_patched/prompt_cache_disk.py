@@ -476,8 +476,10 @@ class DiskLRUPromptCache(LRUPromptCache):
         return model, tokens, entry
 
     def _spill(self, model: Any, tokens: List[int], entry):
+        # Shared prefix blocks (prompt_cache_blocks) are joined, lazily: an
+        # entry queued or on disk already costs nothing, a new one a copy.
         try:
-            self.disk.put(model, tokens, entry.prompt_cache)
+            self.disk.put(model, tokens, self._blocks.assemble(entry.prompt_cache))
         except Exception as e:  # not written: a miss later, never an error now
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")
 

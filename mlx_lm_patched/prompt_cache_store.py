@@ -30,6 +30,12 @@ entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
 for a server whose working caches are not quantized: every quantized entry,
 also one read back from a disk tier (``_working``), is dequantized on fetch.
 
+Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
+``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
+assembles the entry (``_working_cache``), an entry leaving (replaced, a
+prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns it
+whole), and ``nbytes`` counts each block once.
+
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
 place for a subclass to spill what leaves memory (a disk tier). Whether an
@@ -50,6 +56,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         CacheList,
         ChunkedKVCache,
         KVCache,
+        PromptBlocks,
         PromptTrie,
         QuantizedKVCache,
         QuantizedRotatingKVCache,
@@ -111,6 +118,11 @@ class LRUPromptCache:
         self._lru = LRUPromptCache.CacheOrder()
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
+        self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
+
+    @property
+    def nbytes(self):
+        return self._n_bytes + self._blocks.nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         result = self._trie.search(model, tokens)
@@ -146,7 +158,7 @@ class LRUPromptCache:
         return can_trim_prompt_cache(prompt_cache, n)
 
     def _working_cache(self, cache_entry):
-        return self._working(cache_entry.prompt_cache)
+        return self._working(self._blocks.assemble(cache_entry.prompt_cache))
 
     def _working(self, prompt_cache):
         """A cache to generate with, sharing the stored one's buffers until
@@ -171,6 +183,7 @@ class LRUPromptCache:
     ):
         # Store a copy of the live tokens, not the working buffers
         prompt_cache = [self._at_rest(c) for c in prompt_cache]
+        prompt_cache = self._blocks.share(model, tokens, prompt_cache)
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -182,6 +195,7 @@ class LRUPromptCache:
         self._n_bytes_by_type[cache_type] += entry.nbytes
         prev = self._trie.add(model, tokens, entry)
         if prev is not None:
+            self._blocks.release(prev.prompt_cache)
             self._n_bytes -= prev.nbytes
             self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
             self._lru.remove(model, tokens)
@@ -191,6 +205,7 @@ class LRUPromptCache:
         # space
         if can_trim_prompt_cache(prompt_cache):
             for prefix_len, entry in self._trie.pop_prefixes(model, tokens):
+                self._blocks.release(entry.prompt_cache)
                 self._n_bytes -= entry.nbytes
                 self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
                 self._lru.remove(model, tokens[:prefix_len])
@@ -215,13 +230,14 @@ class LRUPromptCache:
 
         while len(self._lru) > n_sequences:
             self._evict()
-        while self._n_bytes > n_bytes:
+        while self.nbytes > n_bytes:
             self._evict()
 
     def _evict(self):
         """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
         model, tokens = self._lru.pop()
         entry = self._trie.pop(model, tokens)
+        entry.prompt_cache = self._blocks.release(entry.prompt_cache)
         self._n_bytes -= entry.nbytes
         self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
         return model, tokens, entry

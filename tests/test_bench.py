@@ -246,6 +246,18 @@ def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
     assert len(out["patched"]["tokens"]) == 4
 
 
+def test_prefix_blocks_bench_stores_a_shared_prefix_once():
+    from mlx_lm_patched.bench import prefix_blocks
+
+    argv = "--conversations 3 --prefix 200 --tail 20 --turn 5 --block-sizes 64"
+    out = prefix_blocks.main(argv.split() + ["--repeats", "1"])
+    assert list(out)[:5] == HEADER
+    # 3 whole blocks of the prefix once; each its last 8 prefix tokens and 20
+    assert out["blocks_64"]["stored_bytes"] * 260 == out["once_bytes"] * (192 + 84)
+    assert out["blocks_64"]["held_bytes"] == out["blocks_64"]["stored_bytes"]
+    assert out["whole"]["ratio"] > 2.5 and out["targets"]["same_logits"]
+
+
 def test_slack_bench_decodes_every_ring_in_place():
     from mlx_lm_patched.bench import slack
 

@@ -624,6 +624,10 @@ def test_put_queues_the_caches_own_buffers_not_a_host_copy(load_tiny, tmp_path):
     model, _ = load_tiny("llama", dtype="bfloat16")
     cache = prefilled(model, PROMPT)
     lru = disk_lru(tmp_path, max_size=1)
+    # Layers whole: an entry sharing prefix blocks (prompt_cache_blocks) is
+    # joined once for the disk, on put's thread (lazily: only if not queued
+    # or written already).
+    lru._blocks.block_size = len(PROMPT) + 1
     lru.insert_cache(MODEL, PROMPT, cache)
     (entry,) = [lru._trie.get(MODEL, PROMPT)]
     (state,) = lru.disk._pending.values()

@@ -238,7 +238,7 @@ def test_entries_quantized_at_rest_take_a_fraction_of_the_bf16_bytes(bits, most)
     for store in (plain, at_rest):
         store.insert_cache("m", tokens, cache)
     assert at_rest.nbytes <= most * plain.nbytes
-    entry = at_rest._trie.get("m", tokens).prompt_cache
+    entry = at_rest._blocks.assemble(at_rest._trie.get("m", tokens).prompt_cache)
     assert all(type(c) is QuantizedKVCache and c.bits == bits for c in entry)
     fetched, rest = at_rest.fetch_nearest_cache("m", tokens + [7])
     assert rest == [7]

@@ -23,6 +23,7 @@ MODULES = [
     "quality",
     "qdecode",
     "checkpoints",
+    "prefix_blocks",
 ]
 
 

@@ -1,0 +1,174 @@
+"""Prompt cache entries share fixed-size blocks of their token prefixes.
+
+``LRUPromptCache`` stores every entry whole: agents and chat front-ends send
+many conversations behind one long system prompt, and each entry holds it
+again (8 conversations of a 2,000-token prefix plus 200 tokens of their own
+hold 4.67x the bytes of the prefix once plus the 8 tails; upstream 4.89x;
+issue #28). vllm-mlx's paged prefix cache and oMLX's blocks share them.
+
+``PromptBlocks`` is the pool an ``LRUPromptCache`` keeps its shared blocks
+in (``prompt_cache_store`` calls it at its insert, fetch and eviction).
+``share`` cuts each ``KVCache`` or ``QuantizedKVCache`` layer of an entry at
+rest (also an entry quantized at rest, ``bits=``) into blocks of
+``block_size`` tokens: a block is found by its key, the model key, the
+layer, its layout and a SHA-256 chain over the prefix (the block's tokens
+and its parent block's digest), so two models, two layouts or two different
+prefixes never share one. A block another entry holds is taken as it is,
+with one more reference; the tokens after the last whole block stay the
+entry's own (``SharedPrefixCache``). ``release`` drops an entry's
+references when it leaves (replaced, a prefix popped, evicted): a block
+goes with the last entry that holds it, so blocks leave least recently used
+with their entries, and ``nbytes`` counts each held block once.
+``assemble`` gives the working cache a fetch hands out: its arrays the
+blocks and the tail concatenated, its own buffer, so a write never reaches
+a block.
+
+Rotating layers (sliding windows, ``--max-kv-size`` rings), ``CacheList``,
+``ArraysCache`` and ``ChunkedKVCache`` layers keep whole entries, as does a
+layer holding more tokens than its entry's prompt.
+"""
+
+from typing import TYPE_CHECKING, Any, List
+
+from mlx_lm.models.cache import _BaseCache
+
+from ._registry import Patch, cache_class, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map, tree_reduce
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+
+# Written as they would read in mlx_lm/models/cache.py, and run there.
+class SharedPrefixCache(_BaseCache):
+    """An entry's layer at rest: shared ``blocks`` of its prefix, then its
+    own ``tail`` (arrays of the tokens after the last whole block)."""
+
+    def __init__(self, template, meta, blocks, tail):
+        self.template = template  # the layer at rest, without its arrays
+        self.meta = meta  # its state past the arrays (offset, ...)
+        self.blocks = blocks  # PromptBlocks' [arrays, references, nbytes, key]
+        self.tail = tail
+        self.offset = template.offset
+
+    def size(self):
+        return self.offset
+
+    def is_trimmable(self):
+        return True
+
+    @staticmethod
+    def _check_state(v):
+        raise ValueError("a SharedPrefixCache lives in a prompt cache, never in a file")
+
+    def whole(self):
+        """The layer at rest as ``share`` took it (concatenated lazily)."""
+        parts = [b[0] for b in self.blocks] + [self.tail]
+        arrays = tree_map(lambda *x: mx.concatenate(x, axis=2), *parts)
+        cache = copy.copy(self.template)
+        cache.state = (*arrays, *self.meta)
+        return cache
+
+    @property
+    def nbytes(self):
+        """The entry's own bytes; its blocks are ``PromptBlocks.nbytes``."""
+        return tree_reduce(lambda a, x: a + x.nbytes, self.tail, 0)
+
+
+class PromptBlocks:
+    """The blocks of ``block_size`` tokens entries share, counted once."""
+
+    def __init__(self, block_size: int = 64):
+        if block_size < 1:
+            raise ValueError(f"PromptBlocks: block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._blocks = {}  # key -> [arrays, references, nbytes, key]
+        self.nbytes = 0
+
+    def share(self, model: Any, tokens: List[int], prompt_cache: List[Any]):
+        """``prompt_cache`` (an entry at rest, the cache of ``tokens``) with
+        the whole blocks of its ``KVCache`` and ``QuantizedKVCache`` layers
+        shared; other layers as they are."""
+        import hashlib  # local: prompt_cache_dir adds it to the module, later
+
+        size, digests = self.block_size, []
+        seed = hashlib.sha256(repr(model).encode()).digest()
+        for start in range(0, len(tokens) - size + 1, size):
+            block = repr(list(tokens[start : start + size])).encode()
+            seed = hashlib.sha256(seed + block).digest()
+            digests.append(seed)
+        out = []
+        for i, c in enumerate(prompt_cache):
+            state = c.state if type(c) in (KVCache, QuantizedKVCache) else None
+            n = 0 if state is None or state[0] is None else c.offset // size
+            if n == 0 or c.offset > len(tokens):
+                out.append(c)
+                continue
+            arrays = state[:2]
+            layout = repr(
+                (type(c).__name__, state[3:])
+                + tuple(
+                    (x.dtype, x.shape[:2], x.shape[3:]) for _, x in tree_flatten(arrays)
+                )
+            )
+            blocks = [
+                self._take(
+                    (model, i, layout, digests[j]),
+                    tree_map(lambda x: x[..., j * size : (j + 1) * size, :], arrays),
+                )
+                for j in range(n)
+            ]
+            tail = tree_map(lambda x: mx.array(x[..., n * size :, :]), arrays)
+            mx.eval(tail)
+            template = copy.copy(c)
+            template.keys = template.values = None
+            out.append(SharedPrefixCache(template, state[2:], blocks, tail))
+        return out
+
+    def _take(self, key, arrays):
+        """The block under ``key``, one more reference to it; ``arrays``
+        (copied) where the pool has none."""
+        block = self._blocks.get(key)
+        if block is None:
+            arrays = tree_map(mx.array, arrays)
+            mx.eval(arrays)
+            nbytes = tree_reduce(lambda a, x: a + x.nbytes, arrays, 0)
+            block = self._blocks[key] = [arrays, 0, nbytes, key]
+            self.nbytes += nbytes
+        block[1] += 1
+        return block
+
+    def release(self, prompt_cache: List[Any]) -> List[Any]:
+        """Drop an entry's references to its blocks (a block no entry holds
+        leaves the pool); returns its layers whole, for a disk tier."""
+        for c in prompt_cache:
+            for block in c.blocks if isinstance(c, SharedPrefixCache) else ():
+                block[1] -= 1
+                if block[1] == 0:
+                    del self._blocks[block[3]]
+                    self.nbytes -= block[2]
+        return self.assemble(prompt_cache)
+
+    def assemble(self, prompt_cache: List[Any]) -> List[Any]:
+        """The entry's layers as the caches ``share`` was given, each shared
+        layer with arrays of its own (blocks and tail concatenated)."""
+        return [
+            c.whole() if isinstance(c, SharedPrefixCache) else c for c in prompt_cache
+        ]
+
+    def __len__(self):
+        return len(self._blocks)
+
+
+SharedPrefixCache = cache_class("mlx_lm.models.cache", SharedPrefixCache, _BaseCache)
+PromptBlocks = cache_class("mlx_lm.models.cache", PromptBlocks)
+
+PATCH = Patch(
+    "prompt_cache_blocks",
+    "PromptBlocks: prompt cache entries share content-addressed, "
+    "reference-counted blocks of their token prefixes, counted once",
+    targets("mlx_lm.models.cache", SharedPrefixCache, PromptBlocks),
+)

@@ -1,0 +1,78 @@
+"""``python -m mlx_lm_patched.server``: 16 concurrent chats behind one
+4,000-token system prompt keep the prefix once (issue #28).
+
+One chat warms the prompt cache, then 16 chats with the same system prompt
+and a question each come at once. Each is a prompt-cache hit for the whole
+system prompt (``cached_tokens``), and the prompt cache the server logs
+before every request holds its 17 conversations within one prefix plus the
+tails: the prefix's blocks once (``prompt_cache_blocks``), each
+conversation its own tokens (its question, the reply, and the system
+prompt's tokens past its last whole block).
+
+``--prompt-cache-bytes`` counts the running batch too (upstream's flag: the
+server trims its prompt cache to the budget less what the batch holds), and
+a batch holds every chat's prefix in its own rows while it runs, so the flag
+is that bound plus room for the 16 rows. Stored whole, the 17 entries fit
+under the flag but log 17 prefixes, far over the bound.
+"""
+
+import re
+import threading
+
+from harness import MODELS, REPORT, WORDS, Server
+
+from mlx_lm_patched import tiny
+
+CHATS = 16
+SYSTEM = " ".join((WORDS * 8)[:2300])  # 4,097 tokens on the tiny tokenizer
+CONFIG = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
+# K and V of every layer, float32 (the tiny models' dtype)
+PER_TOKEN = 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * 4
+PER_TOKEN *= CONFIG["head_dim"]
+# One prefix plus the tails: 4,200 tokens for the system prompt (template
+# included) and per conversation 64 tokens of its last partial block and 64
+# of its own (question, template, reply).
+HELD = PER_TOKEN * (4200 + (CHATS + 1) * 128)
+BATCH = PER_TOKEN * CHATS * 4608  # the 16 running rows, in 256-token steps
+LOGGED = re.compile(r"Prompt Cache: (\d+) sequences, [\d.]+ GB \((\d+) B\)")
+
+
+def chat(server, i, out):
+    body = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"question {i}: {' '.join(WORDS[i : i + 6])}"},
+        ],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    out[i] = server.post("/v1/chat/completions", body)
+
+
+def test_concurrent_chats_share_the_system_prompt_within_the_budget(
+    model_dir, tmp_path
+):
+    flags = ["--prompt-cache-bytes", HELD + BATCH, "--prompt-cache-size", 100]
+    replies = {}
+    with Server(model_dir("llama"), *flags, log=tmp_path / "server.log") as s:
+        chat(s, CHATS, replies)  # warms the prompt cache
+        threads = [
+            threading.Thread(target=chat, args=(s, i, replies)) for i in range(CHATS)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        chat(s, CHATS + 1, replies)  # logs the prompt cache the 16 left
+    assert [replies[i][0] for i in range(CHATS + 2)] == [200] * (CHATS + 2)
+    usage = [replies[i][1]["usage"] for i in range(CHATS + 2)]
+    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage]
+    logged = [(int(n), int(b)) for n, b in LOGGED.findall(s.log_path.read_text())]
+    REPORT.append(
+        f"server shared prefix: {CHATS} chats, cached_tokens {cached[:CHATS]}, "
+        f"logged (sequences, bytes) last {logged[-1]}, max bytes "
+        f"{max(b for _, b in logged)} (one prefix plus the tails {HELD})"
+    )
+    assert min(cached[:CHATS]) >= 4097  # the whole system prompt
+    assert logged[-1][0] >= CHATS + 1  # every conversation kept
+    assert max(b for _, b in logged) <= HELD

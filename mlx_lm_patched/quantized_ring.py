@@ -213,7 +213,10 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         nothing, where it cannot trim ``n`` exactly."""
         if self.keys is None:
             return RotatingKVCache.trim(self, n)
-        n = self._per_part(RotatingKVCache.trim, n)[0]
+        try:
+            n = self._per_part(RotatingKVCache.trim, n)[0]
+        except ValueError as e:  # a part's refusal, said in this class's name
+            raise ValueError(str(e).replace("RotatingKVCache", type(self).__name__, 1))
         self.checkpoints = [c for c in self.checkpoints if c.offset <= self.offset]
         return n
 

@@ -94,7 +94,7 @@ class PromptBlocks:
         shared; other layers as they are."""
         import hashlib  # local: prompt_cache_dir adds it to the module, later
 
-        size, digests = self.block_size, []
+        size, digests, new = self.block_size, [], []
         seed = hashlib.sha256(repr(model).encode()).digest()
         for start in range(0, len(tokens) - size + 1, size):
             block = repr(list(tokens[start : start + size])).encode()
@@ -118,23 +118,25 @@ class PromptBlocks:
                 self._take(
                     (model, i, layout, digests[j]),
                     tree_map(lambda x: x[..., j * size : (j + 1) * size, :], arrays),
+                    new,
                 )
                 for j in range(n)
             ]
             tail = tree_map(lambda x: mx.array(x[..., n * size :, :]), arrays)
-            mx.eval(tail)
+            new.append(tail)
             template = copy.copy(c)
             template.keys = template.values = None
             out.append(SharedPrefixCache(template, state[2:], blocks, tail))
+        mx.eval(new)  # the new blocks' and tails' copies, in one evaluation
         return out
 
-    def _take(self, key, arrays):
+    def _take(self, key, arrays, new: List[Any]):
         """The block under ``key``, one more reference to it; ``arrays``
-        (copied) where the pool has none."""
+        (copied, appended to ``new`` to be evaluated) where the pool has none."""
         block = self._blocks.get(key)
         if block is None:
             arrays = tree_map(mx.array, arrays)
-            mx.eval(arrays)
+            new.append(arrays)
             nbytes = tree_reduce(lambda a, x: a + x.nbytes, arrays, 0)
             block = self._blocks[key] = [arrays, 0, nbytes, key]
             self.nbytes += nbytes

@@ -60,9 +60,12 @@ def run(args):
             puts.append(time.perf_counter() - t)
             tier.flush()
             writes.append(time.perf_counter() - t)
+        dropped = tier.dropped
         for i in range(args.queued):
             tier.put(MODEL_KEY, [args.repeat + i] + tokens, cache)
-        queued, dropped = tier.queued, tier.dropped
+        # Counted from what put did: the writer may have taken some already.
+        dropped = tier.dropped - dropped
+        queued = args.queued - dropped
         t = time.perf_counter()
         left = tier.close(timeout=tier.drain_seconds)
         drain_s = time.perf_counter() - t

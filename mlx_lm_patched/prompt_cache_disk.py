@@ -8,8 +8,9 @@ format string B"), a quantized cache's keys are tuples; their fixes
 dequantize and cast to float16 before writing, which changes the tokens.
 
 ``DiskPromptCache(directory, max_bytes)`` keeps prompt caches as files
-``load_prompt_cache`` reads, in a ``PromptCacheDir`` (``prompt_cache_dir``:
-the names, the manifest, the scan, the shared budget). ``put`` queues the
+in a ``PromptBlockDir`` (``prompt_cache_dir``: the names, the manifest, the
+scan; ``prompt_cache_disk_blocks``: shared prefix blocks as block files
+written once, the budget). ``put`` queues the
 entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
 which another thread cannot do; bfloat16 as its bits, quantized caches as
 their packed triples, nothing upcast or copied) and returns (a 524 MB entry
@@ -131,7 +132,6 @@ class DiskPromptCache(PromptBlockDir):
             trimmable, hi = (
                 (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
             )
-        # Shared prefix blocks as block files (prompt_cache_disk_blocks)
         cache, blocks_metadata, blocks = self._blocked(model, tokens, cache)
         self._learn(model, cache)
         metadata = {
@@ -238,14 +238,8 @@ class DiskPromptCache(PromptBlockDir):
         state = self._pending.get(name)
         if state is None:
             return None
-        views = [(x.arrays, x.dtypes) for x in [state, *state.blocks.values()]]
-        arrays, *blocks = (
-            {k: a.view(getattr(mx, dtypes[k])) for k, a in x.items()}
-            for x, dtypes in views
-        )
-        if "0.blocks" in state.metadata:
-            found = dict(zip(state.blocks, blocks))
-            arrays = self._join(arrays, json.loads(state.metadata["0.blocks"]), found)
+        found = {n: self._views(b) for n, b in state.blocks.items()}
+        arrays = self._join(self._views(state), state.metadata, found)
         return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
 
     def _load(self, name: str):
@@ -274,8 +268,7 @@ class DiskPromptCache(PromptBlockDir):
             metadata = header["__metadata__"]
             if "0.blocks" in metadata:  # its shared prefix: block files
                 found = self._read_blocks(entry[0], entry[1], header)
-                blocks = json.loads(metadata["0.blocks"])
-                arrays = self._join(arrays, blocks, found)
+                arrays = self._join(arrays, metadata, found)
             mx.eval(list(arrays.values()))
             cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
             for i, c in enumerate(cache):

@@ -61,7 +61,7 @@ class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 
     def __init__(self, directory: str, max_bytes: int = 1 << 63):
-        self._refs_seen = {}  # entry name -> (file bytes, the block files it names)
+        self._refs_seen = {}  # entry name -> ((inode, ctime), the block files it names)
         self._blocks_pool = (0, None)  # (read_threads, threads reading block files)
         PromptCacheDir.__init__(self, directory, max_bytes)
 
@@ -198,10 +198,21 @@ class PromptBlockDir(PromptCacheDir):
         bits = data.view(f"<u{dtype.size}").reshape(spec["shape"])
         return mx.array(bits).view(dtype)
 
-    def _join(self, arrays: dict, blocks: dict, found: Dict[str, dict]):
+    @staticmethod
+    def _views(state):
+        """A queued entry's or block's arrays (``HostPromptCache``), each
+        viewed as its own dtype."""
+        return {
+            k: a.view(getattr(mx, state.dtypes[k])) for k, a in state.arrays.items()
+        }
+
+    def _join(self, arrays: dict, metadata: dict, found: Dict[str, dict]):
         """``arrays`` (an entry's, its shared layers' tails) with each shared
-        layer's blocks before its tail; ``blocks``: its ``0.blocks``;
-        ``found``: block file name -> its arrays."""
+        layer's blocks before its tail (none without ``0.blocks`` in its
+        ``metadata``); ``found``: block file name -> its arrays."""
+        if "0.blocks" not in metadata:
+            return arrays
+        blocks = json.loads(metadata["0.blocks"])
         files, out = blocks["files"], dict(arrays)
         for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items():
             for k in (f"{i}.{s}" for s in suffixes):
@@ -226,7 +237,9 @@ class PromptBlockDir(PromptCacheDir):
         for i, n in meta["layers"].items():
             if not (type(n) is int and 0 < n and i in specs):
                 raise ValueError(f"its layer {i} names {n!r} blocks")
-            arrays = {s: (self.dtypes[v["dtype"]], v["shape"]) for s, v in specs[i].items()}
+            arrays = {
+                s: (self.dtypes[v["dtype"]], v["shape"]) for s, v in specs[i].items()
+            }
             name = header["__metadata__"].get(f"1.{i}")
             counts[int(i)] = (n, self._layout(name, arrays))
         want = self._block_names(model, tokens, size, counts)
@@ -243,7 +256,9 @@ class PromptBlockDir(PromptCacheDir):
                 got, _ = self._safetensors_header(fd)
                 m = got["__metadata__"]
                 if [m.get("0.model"), m.get("0.layers"), m.get("0.chain")] != [
-                    model, json.dumps(held), digest
+                    model,
+                    json.dumps(held),
+                    digest,
                 ]:
                     raise ValueError(f"its block {name} holds another block")
                 for i, _ in held:
@@ -256,7 +271,8 @@ class PromptBlockDir(PromptCacheDir):
                     raise ValueError(f"its block {name} holds other arrays")
                 arrays = {}
                 self._read_arrays(fd, got, lambda k, d: arrays.update({k: (got[k], d)}))
-            except ValueError as e:
+            except ValueError as e:  # unsound: removed, written again when named
+                self._remove_unsound(name, fd)
                 raise ValueError(f"block {name}: {e}") from None
             finally:
                 os.close(fd)
@@ -270,17 +286,33 @@ class PromptBlockDir(PromptCacheDir):
             found[name] = {k: self._array(*x) for k, x in arrays.items()}
         return found
 
+    def _remove_unsound(self, name: str, fd: int):
+        """Remove block file ``name`` if it is still the file open on ``fd``
+        (not one a writer renamed in since)."""
+        self._lock_dir()
+        try:
+            if os.lstat(os.path.join(self.directory, name)).st_ino == (
+                os.fstat(fd).st_ino
+            ):
+                self._unlink(name)
+        except OSError:
+            pass
+        finally:
+            self._unlock_dir()
+
     def _refs(self, name: str):
         """The block files the entry file ``name`` names (none if its header
-        is not sound); kept per name and size."""
+        is not sound); kept per name, inode and ctime (a file renamed over
+        it, or touched, is read again)."""
         path = os.path.join(self.directory, name)
         try:
-            size = os.lstat(path).st_size
-            if self._refs_seen.get(name, (None,))[0] != size:
+            st = os.lstat(path)
+            seen = (st.st_ino, st.st_ctime_ns)
+            if self._refs_seen.get(name, (None,))[0] != seen:
                 header = self._read_header(path, full=True)[1]
                 blocks = header["__metadata__"].get("0.blocks")
                 files = json.loads(blocks)["files"] if blocks else []
-                self._refs_seen[name] = (size, set(files))
+                self._refs_seen[name] = (seen, set(files))
         except Exception:
             return set()
         return self._refs_seen[name][1]

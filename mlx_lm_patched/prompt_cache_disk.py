@@ -266,9 +266,7 @@ class DiskPromptCache(PromptBlockDir):
             finally:
                 os.close(fd)
             metadata = header["__metadata__"]
-            if "0.blocks" in metadata:  # its shared prefix: block files
-                found = self._read_blocks(entry[0], entry[1], header)
-                arrays = self._join(arrays, metadata, found)
+            arrays = self._with_blocks(entry, header, arrays)  # shared prefix
             mx.eval(list(arrays.values()))
             cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
             for i, c in enumerate(cache):

@@ -131,16 +131,20 @@ class PromptBlockDir(PromptCacheDir):
         mx.eval([list(b.arrays.values()) for b in blocks.values()])  # views: no copy
         meta = {"size": size, "layers": {str(i): n for i, (n, _) in counts.items()}}
         meta["files"] = [name for name, _, _ in names]
-        return layers, {"blocks": json.dumps(meta)}, blocks
+        return layers, {"format": "2", "blocks": json.dumps(meta)}, blocks
 
     def _block_temps(self, blocks: Dict[str, Any]):
         """Write each of ``blocks`` not on disk to a locked temporary file;
         ``{name: (temp path, fd)}``: ``_place_blocks`` puts them in place."""
         temps = {}
-        for name, state in blocks.items():
-            path = os.path.join(self.directory, name)
-            if not os.path.exists(path):
-                temps[name] = self._save_temp(path, self._seal(state)[0])
+        try:
+            for name, state in blocks.items():
+                path = os.path.join(self.directory, name)
+                if not os.path.exists(path):
+                    temps[name] = self._save_temp(path, self._seal(state)[0])
+        except BaseException:
+            self._close_temps(temps)
+            raise
         return temps
 
     def _place_blocks(self, blocks: Dict[str, Any], temps: dict):
@@ -220,6 +224,18 @@ class PromptBlockDir(PromptCacheDir):
                 parts = [found[files[j]][k] for j in range(n)] + [arrays[k]]
                 out[k] = mx.concatenate(parts, axis=2)
         return out
+
+    def _with_blocks(self, entry: tuple, header: dict, arrays: dict):
+        """``arrays``, read from the entry file of ``header`` (``entry``: its
+        model and tokens, ...), with its block files' joined in; raises
+        ``ValueError`` for a format this does not read."""
+        version = header["__metadata__"].get("0.format", "1")  # 1: whole entries
+        if version not in ("1", "2"):
+            raise ValueError(f"it is in format {version!r}; this reads 1 and 2")
+        if "0.blocks" not in header["__metadata__"]:
+            return arrays
+        found = self._read_blocks(entry[0], entry[1], header)
+        return self._join(arrays, header["__metadata__"], found)
 
     def _read_blocks(self, model: str, tokens: List[int], header: dict):
         """``{block file name: {key: MLX array}}`` of the block files the

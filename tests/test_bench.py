@@ -256,6 +256,11 @@ def test_prefix_blocks_bench_stores_a_shared_prefix_once():
     assert out["blocks_64"]["stored_bytes"] * 260 == out["once_bytes"] * (192 + 84)
     assert out["blocks_64"]["held_bytes"] == out["blocks_64"]["stored_bytes"]
     assert out["whole"]["ratio"] > 2.5 and out["targets"]["same_logits"]
+    # On disk: the prefix's 3 blocks are files every entry names, once
+    disk = out["disk"]
+    assert disk["blocks_64"]["shared_bytes"] * 260 > out["once_bytes"] * 192
+    assert disk["blocks_64"]["dir_bytes"] < disk["whole"]["dir_bytes"] / 2
+    assert disk["whole"]["shared_bytes"] == 0
 
 
 def test_slack_bench_decodes_every_ring_in_place():

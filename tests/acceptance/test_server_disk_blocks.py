@@ -123,7 +123,7 @@ def test_a_second_replica_writes_against_the_same_block_files(model_dir, tmp_pat
     shared = set.intersection(*entries.values())
     assert from_disk[0] == cold[0] and from_disk[1] == cold[2] - 1, log
     assert "Prompt cache disk hit" in log
-    assert other[1] >= cold[2] - 20  # the system prompt, cached
+    assert other[1] >= cold[2] - 40  # all but its question, cached
     # The second replica's entries name the first's block files of the prefix
     assert first <= block_files(cache_dir)
     assert len(shared & first) >= cold[2] // 64 - 2

@@ -7,7 +7,8 @@ without following links, reading each header within a bound (a FIFO once
 blocked a server's start, a 3 GiB sparse file was read whole). An entry is
 indexed only if its header's manifest digest (``_manifest``: every field
 but the checksums) matches; anything else is skipped with a warning naming
-it. The budget is counted over every entry file under an ``flock`` of the
+it. The budget is counted (``_shrink``, ``prompt_cache_disk_blocks``: with
+the block files entries share) over every file under an ``flock`` of the
 directory, so replicas sharing it hold it together (two held 7.77 MB of a
 4 MB budget when each counted its own), oldest mtime first; a killed
 writer's temporary files go at the next count; on a full disk the oldest

@@ -330,6 +330,7 @@ class PromptBlockDir(PromptCacheDir):
                 files = json.loads(blocks)["files"] if blocks else []
                 self._refs_seen[name] = (seen, set(files))
         except Exception:
+            self._refs_seen.pop(name, None)  # counted as naming none
             return set()
         return self._refs_seen[name][1]
 
@@ -355,6 +356,8 @@ class PromptBlockDir(PromptCacheDir):
             elif self._is_temp(e.name):
                 self._remove_stale(e.path)
         refs = {}
+        for name in set(self._refs_seen) - {name for _, name, _ in found}:
+            del self._refs_seen[name]  # removed by another process
         for _, name, _ in found:
             for block in self._refs(name):
                 refs[block] = refs.get(block, 0) + 1
@@ -371,11 +374,10 @@ class PromptBlockDir(PromptCacheDir):
                 removed += size
                 if name in self._files:
                     self._drop(name)
-                for b in self._refs_seen.get(name, (0, ()))[1]:
+                for b in self._refs_seen.pop(name, (0, ()))[1] & set(refs):
                     refs[b] -= 1
                     if refs[b] == 0 and b in blocks and self._unlink(b):
                         removed += blocks[b]
-                self._refs_seen.pop(name, None)
         self._n_bytes = total - removed
         return removed
 

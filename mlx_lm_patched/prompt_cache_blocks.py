@@ -89,9 +89,10 @@ class PromptBlocks:
         self.nbytes = 0
 
     def share(self, model: Any, tokens: List[int], prompt_cache: List[Any]):
-        """``prompt_cache`` (an entry at rest, the cache of ``tokens``) with
-        the whole blocks of its ``KVCache`` and ``QuantizedKVCache`` layers
-        shared; other layers as they are."""
+        """``prompt_cache`` (an entry at rest or a working cache, the cache
+        of ``tokens``) with the whole blocks of its ``KVCache`` and
+        ``QuantizedKVCache`` layers shared, the blocks and tails copies of
+        their live tokens; other layers as they are."""
         size, digests, new = self.block_size, self.chain(model, tokens), []
         out = []
         for i, c in enumerate(prompt_cache):

@@ -325,3 +325,25 @@ def test_quantized_caches_and_entries_at_rest_are_blocks_too(bits, tmp_path):
         assert [type(c) for c in got] == [QuantizedKVCache] * LAYERS
         assert same([c.state for c in got], [c.state for c in want])
     again.close()
+
+
+def test_whole_entry_files_still_load_and_a_newer_format_is_a_miss(tmp_path, caplog):
+    """Format 1 (an entry written whole, no ``0.format``) loads as before; a
+    format this does not read is a miss with a warning, never a guess."""
+    mx.random.seed(8)
+    ((tokens, cache),) = conversations(1, 200, 10, first=7)
+    ((other, cache2),) = conversations(1, 200, 10, first=700)
+    tier = DiskPromptCache(str(tmp_path))
+    tier.put("m", tokens, cache)  # whole layers: format 1
+    tier.put("m", other, PromptBlocks().share("m", other, cache2))
+    tier.flush()
+    whole = tmp_path / tier._name(tier._model_key("m"), tokens)
+    assert "0.format" not in tier._read_header(str(whole), full=True)[1]["__metadata__"]
+    got, _ = DiskPromptCache(str(tmp_path)).get("m", tokens)
+    assert same(live(got), live(cache))
+    name = tier._name(tier._model_key("m"), other)
+    reseal(tier, tmp_path / name, lambda h: h["__metadata__"].update({"0.format": "3"}))
+    with caplog.at_level(logging.WARNING):
+        assert DiskPromptCache(str(tmp_path)).get("m", other) is None
+    assert any(name in r.message and "format '3'" in r.message for r in caplog.records)
+    tier.close()

@@ -116,9 +116,11 @@ def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
 @pytest.mark.parametrize("dims_per_lane", [8, 16])
 def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_lane):
     monkeypatch.setattr(base, "DECODE_DIMS_PER_LANE", dims_per_lane)
-    partial, reduce = qa._decode_launch(
+    monkeypatch.setattr(base, "DECODE_MMA", False)
+    kernel, partial, reduce = qa._decode_launch(
         1, 32, 1, width, 8, width, 8, 32, 0, False, 32, mx.bfloat16
     )
+    assert kernel == "partial"
     t = dict(partial["template"])
     lanes = t["TPK"]
     assert lanes & (lanes - 1) == 0 and 128 % lanes == 0  # groups tile a block
@@ -127,12 +129,40 @@ def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_
 
 
 def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
+    monkeypatch.setattr(base, "DECODE_MMA", False)
     args = (1, 32, 1, 128, 8, 128, 4, 64, 0, False, 32, mx.bfloat16)
-    first = qa._decode_launch(*args)[0]
-    assert qa._decode_launch(*args)[0] is first
+    first = qa._decode_launch(*args)[1]
+    assert qa._decode_launch(*args)[1] is first
     monkeypatch.setattr(base, "DECODE_KEYS_PER_ITER", 3)
-    other = qa._decode_launch(*args)[0]
+    other = qa._decode_launch(*args)[1]
     assert other is not first and ("KT", 3) in other["template"]
+    monkeypatch.setattr(base, "DECODE_MMA", True)
+    assert qa._decode_launch(*args)[0] == "mma"
+
+
+@pytest.mark.parametrize(
+    "n_q_heads, L, width, kernel",
+    [
+        (32, 1, 128, "mma"),  # 4 rows a KV head: a decode step, GQA 4
+        (64, 1, 64, "mma"),  # 8 rows
+        (32, 2, 128, "mma"),  # 2 queries, 8 rows
+        (32, 4, 128, "partial"),  # 16 rows: past the n8 tile
+        (32, 1, 96, "partial"),  # a value lane's W / 8 dims would cross a group
+    ],
+)
+def test_up_to_8_rows_over_widths_64_and_128_take_the_tensor_core_kernel(
+    n_q_heads, L, width, kernel
+):
+    """The tensor-core kernel takes the shapes its layout covers, with one
+    block a (range, KV head, batch row): every query row of a KV head in it."""
+    got, partial, reduce = qa._decode_launch(
+        2, n_q_heads, L, width, 8, width, 8, 32, 0, False, 16, mx.bfloat16
+    )
+    assert got == kernel
+    rows = n_q_heads // 8 * L
+    if kernel == "mma":
+        assert partial["grid"] == (16 * 128, 8, 2)
+        assert partial["output_shapes"][0] == (2, 8, 16, rows, width)
 
 
 # Which calls reach the kernel.

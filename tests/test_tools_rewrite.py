@@ -506,3 +506,17 @@ def test_bug_lines_cite_issues_not_pull_requests():
         "https://github.com/ml-explore/mlx-lm/issues/126",
         "https://github.com/ml-explore/mlx-lm/issues/8",
     ]
+
+
+def test_a_value_imported_from_a_module_beside_the_patch_is_written_as_there(
+    tmp_path,
+):
+    """A patch's kernel source kept in a module beside it (``from .x import
+    NAME``) is written as its assignment in that module, not as a repr."""
+    (tmp_path / "sources.py").write_text('BIG = """\n  a kernel;\n"""\nOTHER = 1\n')
+    patch = tmp_path / "patch.py"
+    patch.write_text("from .sources import BIG\n\nSMALL = 2\n")
+    lines = rewrite._assignment_lines("BIG", None, str(patch))
+    assert "".join(lines) == 'BIG = """\n  a kernel;\n"""\n'
+    assert rewrite._assignment_lines("OTHER", None, str(patch)) is None  # not imported
+    assert rewrite._assignment_lines("SMALL", None, str(patch)) == ["SMALL = 2\n"]

@@ -63,7 +63,8 @@ def functions_of(new) -> List:
 
 def _assignment_lines(attr: str, cls: Optional[str], origin) -> Optional[List[str]]:
     """The statement assigning ``attr`` at the top of the file ``origin`` (in
-    its class named like ``cls``, for a class attribute), if there is one."""
+    its class named like ``cls``, for a class attribute), or of the module
+    beside it that ``origin`` imports ``attr`` from, if there is one."""
     if not origin or not Path(origin).exists():
         return None
     text = Path(origin).read_text()
@@ -76,6 +77,12 @@ def _assignment_lines(attr: str, cls: Optional[str], origin) -> Optional[List[st
         if assigns(stmt, attr):
             start, end = span(lines, stmt)
             return lines[start:end]
+    if cls is None:  # a value the patch's file imports from a module beside it
+        for stmt in body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.level == 1 and stmt.module:
+                if any(a.name == attr and a.asname is None for a in stmt.names):
+                    beside = Path(origin).parent / (stmt.module + ".py")
+                    return _assignment_lines(attr, None, beside)
     return None
 
 

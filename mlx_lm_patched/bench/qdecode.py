@@ -104,7 +104,7 @@ def check(args):
             mask = "causal"
         splits = qa.decode_splits(B, n_kv, kL, -(-n_rep * L // base.DECODE_ROWS))
         out = qa.quantized_decode_attention(
-            queries, q_keys, q_values, 0.088, mask, gs, bits
+            queries, q_keys, q_values, 0.088, mask, gs, bits, splits
         )
         ref = decode_attention_reference(
             queries, q_keys, q_values, 0.088, mask, gs, bits, splits

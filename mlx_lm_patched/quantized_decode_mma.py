@@ -1,0 +1,263 @@
+"""The CUDA source of ``quantized_decode_kernel``'s tensor-core kernel
+(``mma.sync``), for query blocks of up to 8 rows a KV head over head dims
+64 and 128; its helpers are in ``quantized_decode_source``'s header. Not a
+patch: the kernel module installs it in ``mlx_lm.models.base``."""
+
+# One block: 4 warps, each taking 16 keys at a time of the block's range
+# [split * per, (split + 1) * per), a KV head's query rows (up to 8) the n8
+# columns of f16 tensor-core products (mma.sync m16n8k16), transposed:
+# scores (keys x rows) with A the keys' quantized integers (exact in f16)
+# and B the queries, a group's dims a k16 chunk at a time, so each group's
+# sums take its keys' scale and bias after the product; outputs (dims x
+# rows) with A the values times their scales (rounded to f16) and B the
+# probabilities (f16), the biases' share added from float sums. Lane (g, c)
+# loads GS / 4 dims of each group of keys g and g + 8 and W / 8 dims of keys
+# 2c, 2c + 1, 2c + 8, 2c + 9: contiguous words, 16-byte loads. Queries
+# beyond f16's range are clamped to it.
+_DECODE_MMA = """
+  constexpr int R = NREP * NQ;
+  constexpr int NGR = W / GS;
+  constexpr int CH = GS / 16;
+  constexpr int WPG = GS * BITS / 128;
+  constexpr int VD = W / 8;
+  constexpr int VW = VD * BITS / 32;
+  constexpr int MT = W / 16;
+  const int split = blockIdx.x, n_splits = gridDim.x;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+  const int kL = kw_shape[2], D = q_shape[3];
+  const int per = (kL + n_splits - 1) / n_splits;
+  const int k_begin = split * per, k_end = min(kL, k_begin + per);
+  const float sc = scale[0];
+
+  // B of the scores: query row g (column g), a group's dims a k16 chunk at
+  // a time, lane c holding GS / 4 of each group's dims.
+  uint32_t qb[NGR][CH][2];
+  float qsum[2][NGR];
+  {
+    const int h = kvh * NREP + g / NQ, t = g % NQ;
+    const auto* qp = q + b * q_strides[0] + h * q_strides[1] + t * q_strides[2];
+#pragma unroll
+    for (int gi = 0; gi < NGR; gi++) {
+      float s = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < CH; jj++) {
+        float x[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          const int d = gi * GS + c * (GS / 4) + 4 * jj + i;
+          x[i] = (g < R && d < D) ? fminf(fmaxf(float(qp[d * q_strides[3]]), -65504.f), 65504.f) : 0.f;
+          s += x[i];
+        }
+        qb[gi][jj][0] = pack_h2(x[0], x[1]);
+        qb[gi][jj][1] = pack_h2(x[2], x[3]);
+      }
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      // This lane's scores are rows 2c and 2c + 1: their sums from lanes 8c, 8c + 4.
+      qsum[0][gi] = __shfl_sync(0xffffffffu, s, 8 * c);
+      qsum[1][gi] = __shfl_sync(0xffffffffu, s, 8 * c + 4);
+    }
+  }
+
+  const auto kw_p = kw + b * kw_strides[0] + kvh * kw_strides[1];
+  const auto vw_p = vw + b * vw_strides[0] + kvh * vw_strides[1];
+  const auto ks_p = ks + b * ks_strides[0] + kvh * ks_strides[1];
+  const auto kb_p = kb + b * kb_strides[0] + kvh * kb_strides[1];
+  const auto vs_p = vs + b * vs_strides[0] + kvh * vs_strides[1];
+  const auto vb_p = vb + b * vb_strides[0] + kvh * vb_strides[1];
+  const long long kr = kw_strides[2], kc = kw_strides[3];
+  const long long vr = vw_strides[2], vc = vw_strides[3];
+  const bool kvec = kc == 1 && kr % 4 == 0 && (size_t)kw_p % 16 == 0;
+  const bool vvec = vc == 1 && vr % 4 == 0 && (size_t)vw_p % 16 == 0;
+  const int gv = g * VD / GS;  // the group of this lane's value dims
+  __shared__ float ps[4][16][9];
+
+  float m[2] = {LOWEST, LOWEST}, l[2] = {0.f, 0.f};
+  float o[MT][4], ob[2][NGR];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+#pragma unroll
+  for (int gi = 0; gi < NGR; gi++) ob[0][gi] = ob[1][gi] = 0.f;
+
+  for (int base = k_begin + 16 * warp; base < k_end; base += 64) {
+    // Keys g and g + 8 (A of the scores: rows of the m16 tile), and keys
+    // 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
+    uint32_t kwr[2][NGR * WPG], vwr[4][VW];
+    float kss[2][NGR], kbs[2][NGR], vbs[2][NGR], vss[4];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const int k = base + 8 * u + g;
+      const bool ok = k < k_end;
+#pragma unroll
+      for (int gi = 0; gi < NGR; gi++) {
+        const long long off = k * kr + (gi * WPG * 4 + c * WPG) * kc;
+        load_words<WPG>(&kwr[u][gi * WPG], kw_p + off, kc, kvec, ok);
+        kss[u][gi] = ok ? float(ks_p[k * ks_strides[2] + gi * ks_strides[3]]) : 0.f;
+        kbs[u][gi] = ok ? float(kb_p[k * kb_strides[2] + gi * kb_strides[3]]) : 0.f;
+        vbs[u][gi] = ok ? float(vb_p[k * vb_strides[2] + gi * vb_strides[3]]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int k = base + 2 * c + (u & 1) + 8 * (u >> 1);
+      const bool ok = k < k_end;
+      load_words<VW>(vwr[u], vw_p + k * vr + g * VW * vc, vc, vvec, ok);
+      vss[u] = ok ? float(vs_p[k * vs_strides[2] + gv * vs_strides[3]]) : 0.f;
+    }
+
+    // Scores, transposed (keys x rows): a group's sums take its keys'
+    // scale and bias. s[e]: key g + 8 * (e >> 1), row 2c + (e & 1).
+    float acc[NGR][4];
+#pragma unroll
+    for (int gi = 0; gi < NGR; gi++) {
+      acc[gi][0] = acc[gi][1] = acc[gi][2] = acc[gi][3] = 0.f;
+      float x[2][GS / 4];
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+#pragma unroll
+        for (int c8 = 0; c8 < GS / 32; c8++) {
+          unpack8<BITS>(&kwr[u][gi * WPG + c8 * BITS / 4], &x[u][c8 * 8]);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < CH; jj++) {
+        const uint32_t a[4] = {
+            pack_h2(x[0][4 * jj], x[0][4 * jj + 1]), pack_h2(x[1][4 * jj], x[1][4 * jj + 1]),
+            pack_h2(x[0][4 * jj + 2], x[0][4 * jj + 3]), pack_h2(x[1][4 * jj + 2], x[1][4 * jj + 3])};
+        mma_h16816(acc[gi], a, qb[gi][jj][0], qb[gi][jj][1]);
+      }
+    }
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int u = e >> 1, row = 2 * c + (e & 1), k = base + 8 * u + g;
+      float x = 0.f;
+#pragma unroll
+      for (int gi = 0; gi < NGR; gi++) {
+        x += kss[u][gi] * acc[gi][e] + kbs[u][gi] * qsum[e & 1][gi];
+      }
+      x *= sc;
+      if (k >= k_end) {
+        x = NEG_INF;
+      } else if (row < R) {
+        const int h = kvh * NREP + row / NQ, t = row % NQ;
+        if constexpr (CAUSAL) {
+          if (k > kL - NQ + t) x = NEG_INF;
+        }
+        if constexpr (MASK != 0) {
+          const auto mv = mask[b * mask_strides[0] + h * mask_strides[1] +
+                               t * mask_strides[2] + k * mask_strides[3]];
+          if constexpr (MASK == 1) {
+            if (!mv) x = NEG_INF;
+          } else {
+            x += float(mv);
+          }
+        }
+      }
+      s[e] = x;
+    }
+
+    // Online softmax of rows 2c and 2c + 1 (the lanes of one c hold a row's 16 keys).
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float mt = fmaxf(s[r], s[2 + r]);
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 4));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 8));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 16));
+      mt = fmaxf(m[r], mt);
+      const float corr = __expf(m[r] - mt);
+      m[r] = mt;
+      s[r] = __expf(s[r] - mt);
+      s[2 + r] = __expf(s[2 + r] - mt);
+      l[r] = l[r] * corr + s[r] + s[2 + r];
+#pragma unroll
+      for (int i = 0; i < MT; i++) {
+        o[i][r] *= corr;
+        o[i][2 + r] *= corr;
+      }
+#pragma unroll
+      for (int gi = 0; gi < NGR; gi++) {
+        ob[r][gi] = ob[r][gi] * corr + s[r] * vbs[0][gi] + s[2 + r] * vbs[1][gi];
+      }
+    }
+
+    // B of the outputs (keys x rows) from the scores' layout, through shared memory.
+    ps[warp][g][2 * c] = s[0];
+    ps[warp][g][2 * c + 1] = s[1];
+    ps[warp][g + 8][2 * c] = s[2];
+    ps[warp][g + 8][2 * c + 1] = s[3];
+    __syncwarp();
+    const uint32_t pb0 = pack_h2(ps[warp][2 * c][g], ps[warp][2 * c + 1][g]);
+    const uint32_t pb1 = pack_h2(ps[warp][2 * c + 8][g], ps[warp][2 * c + 9][g]);
+    __syncwarp();
+
+    // Outputs, transposed (dims x rows): A the values times their scales;
+    // m-tile i's rows g and g + 8 are dims g * VD + 2i and g * VD + 2i + 1.
+#pragma unroll
+    for (int c8 = 0; c8 < VD / 8; c8++) {
+      float vv[4][8];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        unpack8<BITS>(&vwr[u][c8 * BITS / 4], vv[u]);
+#pragma unroll
+        for (int i = 0; i < 8; i++) vv[u][i] *= vss[u];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const uint32_t a[4] = {
+            pack_h2(vv[0][2 * i], vv[1][2 * i]), pack_h2(vv[0][2 * i + 1], vv[1][2 * i + 1]),
+            pack_h2(vv[2][2 * i], vv[3][2 * i]), pack_h2(vv[2][2 * i + 1], vv[3][2 * i + 1])};
+        mma_h16816(o[4 * c8 + i], a, pb0, pb1);
+      }
+    }
+  }
+
+  // Each row's sum and bias terms over its lanes, then the block's warps merged.
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+#pragma unroll
+    for (int off = 4; off < 32; off *= 2) {
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
+#pragma unroll
+      for (int gi = 0; gi < NGR; gi++) {
+        ob[r][gi] += __shfl_xor_sync(0xffffffffu, ob[r][gi], off);
+      }
+    }
+  }
+  __shared__ float sm[4][8], sl[4][8], so[4][8][W];
+  if (g == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      sm[warp][2 * c + r] = m[r];
+      sl[warp][2 * c + r] = l[r];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MT; i++) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int d = g * VD + 2 * i + (e >> 1);
+      so[warp][2 * c + (e & 1)][d] = o[i][e] + ob[e & 1][d / GS];
+    }
+  }
+  __syncthreads();
+  const size_t part = ((size_t)(b * gridDim.y + kvh) * n_splits + split) * R;
+  for (int e = threadIdx.x; e < R * W; e += blockDim.x) {
+    const int row = e / W, d = e % W;
+    float M = LOWEST, S = 0.f, O = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) M = fmaxf(M, sm[j][row]);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const float f = __expf(sm[j][row] - M);
+      S += sl[j][row] * f;
+      O += so[j][row][d] * f;
+    }
+    o_part[(part + row) * W + d] = O;
+    if (d == 0) {
+      m_part[part + row] = M;
+      l_part[part + row] = S;
+    }
+  }
+"""

@@ -46,8 +46,6 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    from .prompt_cache_store import _copy_cache
-
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.
 class RotatingKVCache:
@@ -163,7 +161,7 @@ class LRUPromptCache:
         for i, layer in enumerate(layers):
             held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
             if at in held:
-                cache[i] = _copy_cache(held[at], copy.copy)
+                (cache[i],) = self._working([held[at]])  # dequantized at rest
                 cache[i].checkpoints = [c for p, c in held.items() if p < at]
             else:
                 trim_prompt_cache([cache[i]], length - at)

@@ -346,3 +346,121 @@ def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
     left = second["prompt_tokens"] - cached
     totals = re.findall(r"Prompt processing progress: \d+/(\d+)", log)
     assert totals[-1] == str(left)
+
+
+def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny, every):
+    """``LRUPromptCache(bits=8)`` quantizes the rings' checkpoints with them
+    (fewer bytes than the model's dtype) and still branches from the one at
+    1,024: the logits are, bit for bit, those of an entry of the first 1,024
+    tokens at rest, whose rings hold the same tokens quantized alike."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache)
+    store = LRUPromptCache(bits=8)
+    store.insert_cache("m", FIRST, cache)
+    rings = [c for c in store._trie.get("m", FIRST).prompt_cache if hasattr(c, "bits")]
+    assert len(rings) == sum(isinstance(c, RotatingKVCache) for c in cache)
+    assert all([x.offset for x in c.checkpoints] == [512, 1024] for c in rings)
+    assert all(hasattr(x, "bits") for c in rings for x in c.checkpoints)
+    full = sum(x.nbytes for c in cache for x in getattr(c, "checkpoints", ()))
+    assert 0 < sum(x.nbytes for c in rings for x in c.checkpoints) < 0.7 * full
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    got = prefill(model, rest, fetched)
+    short = make_prompt_cache(model)
+    prefill(model, FIRST[:1024], short)
+    alike = LRUPromptCache(bits=8)
+    alike.insert_cache("m", FIRST[:1024], short)
+    want = prefill(model, rest, alike.fetch_nearest_cache("m", FIRST[:1024])[0])
+    assert mx.array_equal(got, want).item()
+
+
+def single_rows(kind, lengths, ks, vs, max_size=48):
+    """Rings fed ``lengths`` tokens of the rows of ``ks``/``vs`` in chunks of 64."""
+    rows = []
+    for b, n in enumerate(lengths):
+        r = ring(kind, max_size, 0)
+        feed(
+            r, ks[b : b + 1], vs[b : b + 1], [64] * (n // 64) + [n % 64] * (n % 64 > 0)
+        )
+        rows.append(r)
+    return rows
+
+
+def check_row(kind, row, k, v, max_size=48):
+    """Each of ``row``'s checkpoints is, bit for bit, a ring fed ``k``/``v``
+    that far."""
+    for c in row.checkpoints:
+        alone = ring(kind, max_size, 0)
+        feed(alone, k, v, [c.offset])
+        assert same(temporal(c), temporal(alone))
+
+
+@pytest.mark.parametrize("kind", ["ring", "quantized"])
+def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(every, kind):
+    """Rings merged into a batch (as a server batches fetched caches) get
+    their checkpoints back from ``extract``, with those the batch took
+    since: the newest ``max_checkpoints``, each the single ring fed that
+    row that far. ``filter`` keeps them with their rows, ``nbytes`` counts
+    them."""
+    every(32)
+    mx.random.seed(0)
+    lengths = [150, 100, 0]
+    ks, vs = random_kv(3, H, 300, D)
+    rows = single_rows(kind, lengths, ks, vs)
+    brought = [[c.offset for c in r.checkpoints] for r in rows]
+    assert brought == [[32, 64, 96, 128], [32, 64, 96], []]
+    batch = rows[0].merge(rows)
+    assert batch.nbytes > sum(x.nbytes for r in rows for x in r.checkpoints)
+    order = [1, 0, 2]
+    batch.filter(order)
+    # 60 more tokens a row: the batch's own checkpoints at columns 64 and
+    # 96, where row b (its window ends at column 48) is at 16 and 48 past it.
+    k, v = (
+        mx.concatenate([x[b : b + 1, :, lengths[b] :][..., :60, :] for b in order])
+        for x in (ks, vs)
+    )
+    batch.update_and_fetch(k, v)
+    for row, b in enumerate(order):
+        out = batch.extract(row)
+        want = brought[b] + [lengths[b] + 16, lengths[b] + 48]
+        assert [c.offset for c in out.checkpoints] == want[-4:]
+        check_row(kind, out, ks[b : b + 1], vs[b : b + 1])
+
+
+@pytest.mark.parametrize("kind", ["ring", "quantized"])
+def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
+    """``extend`` (a batch joining another, as ``BatchGenerator`` joins new
+    prompts) and ``to_quantized`` (``--kv-bits`` past its start) keep every
+    row's checkpoints, those it brought and those its batch took."""
+    every(32)
+    mx.random.seed(0)
+    ks, vs = random_kv(4, H, 300, D)
+    first = single_rows(kind, [150, 100], ks, vs)
+    first = first[0].merge(first)
+    k, v = (
+        mx.concatenate([x[b : b + 1, :, n : n + 40] for b, n in ((0, 150), (1, 100))])
+        for x in (ks, vs)
+    )
+    first.update_and_fetch(k, v)
+    second = BatchRotatingKVCache(48, [0, 0])
+    if kind == "quantized":
+        second = second.to_quantized(group_size=32, bits=8)
+    feed(second, ks[2:], vs[2:], [64, 36])
+    before = [
+        [c.offset for c in b.extract(i).checkpoints]
+        for b in (first, second)
+        for i in range(2)
+    ]
+    assert all(before) and before[0] != before[2]
+    first.extend(second)
+    after = [[c.offset for c in first.extract(i).checkpoints] for i in range(4)]
+    assert after == before
+    for i in range(4):
+        check_row(kind, first.extract(i), ks[i : i + 1], vs[i : i + 1])
+    if kind == "ring":
+        quantized = first.to_quantized(group_size=32, bits=8)
+        got = [quantized.extract(i).checkpoints for i in range(4)]
+        assert [[c.offset for c in r] for r in got] == before
+        assert all(hasattr(c, "bits") for r in got for c in r)

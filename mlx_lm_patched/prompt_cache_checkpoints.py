@@ -48,6 +48,68 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.
+def _restore_points(cache, length):
+    """Positions every layer of ``cache``, a cache of ``length`` tokens, can
+    go back to: a ring by a checkpoint, or a trim."""
+    found = {c.offset for x in cache for c in getattr(x, "checkpoints", ())}
+    return sorted(
+        p
+        for p in found
+        if all(
+            any(c.offset == p for c in getattr(layer, "checkpoints", ()))
+            or can_trim_prompt_cache([layer], length - p)
+            for layer in cache
+        )
+    )
+
+
+def _back_to(cache, length, at, working=lambda c: c):
+    """``cache``, a cache of ``length`` tokens to change, at ``at`` tokens:
+    trimmed, or each ring that cannot be replaced by ``working(its
+    checkpoint at at)`` (with its older ones); ``None`` where it cannot."""
+    if can_trim_prompt_cache(cache, length - at):
+        trim_prompt_cache(cache, length - at)
+        return cache
+    if at not in _restore_points(cache, length):
+        return None
+    for i, layer in enumerate(cache):
+        held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
+        if at in held:
+            cache[i] = working(held[at])
+            cache[i].checkpoints = [c for p, c in held.items() if p < at]
+        else:
+            trim_prompt_cache([layer], length - at)
+    return cache
+
+
+def _disk_restore_point(disk, model, tokens, prefix):
+    """How many tokens of ``disk``'s entry of ``tokens`` (a
+    ``DiskPromptCache``'s) a prompt sharing ``prefix`` of them can reuse:
+    ``prefix`` where it trims back there, else the newest position at or
+    before it where each of its rings has a checkpoint, as its header says
+    (its other layers are taken to trim; a load checks both), or 0."""
+    import json  # local: prompt_cache_dir adds them to the module, later
+    import os
+
+    name = disk._name(model, tokens)
+    if disk._files[name][2] >= len(tokens) - prefix:
+        return prefix
+    try:
+        state = disk._pending.get(name)
+        if state is None:
+            path = os.path.join(disk.directory, name)
+            meta = disk._read_header(path, full=True)[1]["__metadata__"]
+        else:
+            meta = state.metadata
+        found = {}
+        for i, p in json.loads(meta.get("0.ring_checkpoints", "[]")):
+            found.setdefault(i, set()).add(p)
+    except Exception:  # unreadable: none (a load would say why)
+        return 0
+    common = set.intersection(*found.values()) if found else set()
+    return max((p for p in common if p <= prefix), default=0)
+
+
 class RotatingKVCache:
     max_checkpoints = 4
 
@@ -140,39 +202,21 @@ class LRUPromptCache:
         """A working cache from the newest position at or before ``prefix``
         where every layer of the ``length``-token entry has a checkpoint or
         trims to, and that position; ``(None, 0)`` where there is none."""
-        layers = cache_entry.prompt_cache
-        found = {c.offset for x in layers for c in getattr(x, "checkpoints", ())}
-        at = next(
-            (
-                p
-                for p in sorted(found, reverse=True)
-                if p <= prefix
-                and all(
-                    any(c.offset == p for c in getattr(layer, "checkpoints", ()))
-                    or can_trim_prompt_cache([layer], length - p)
-                    for layer in layers
-                )
-            ),
-            0,
-        )
+        points = _restore_points(cache_entry.prompt_cache, length)
+        at = max((p for p in points if p <= prefix), default=0)
         if at == 0:
             return None, 0
         cache = self._working_cache(cache_entry)
-        for i, layer in enumerate(layers):
-            held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
-            if at in held:
-                (cache[i],) = self._working([held[at]])  # dequantized at rest
-                cache[i].checkpoints = [c for p, c in held.items() if p < at]
-            else:
-                trim_prompt_cache([cache[i]], length - at)
-        return cache, at
+        # A checkpoint quantized at rest is dequantized, as the entry is
+        return _back_to(cache, length, at, lambda c: self._working([c])[0]), at
 
 
 PATCH = Patch(
     "prompt_cache_checkpoints",
     "Rings keep window checkpoints; LRUPromptCache restores the nearest one "
     "before a prefix a wrapped ring cannot trim back to",
-    targets("mlx_lm.models.cache:RotatingKVCache", RotatingKVCache)
+    targets("mlx_lm.models.cache", _restore_points, _back_to, _disk_restore_point)
+    + targets("mlx_lm.models.cache:RotatingKVCache", RotatingKVCache)
     + targets("mlx_lm.models.cache:QuantizedRotatingKVCache", QuantizedRotatingKVCache)
     + targets("mlx_lm.models.cache:BatchRotatingKVCache", BatchRotatingKVCache)
     + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),

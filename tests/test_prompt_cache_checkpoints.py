@@ -3,6 +3,8 @@
 nearest one where a wrapped entry cannot be trimmed back to a branch."""
 
 import json
+import logging
+import os
 import re
 import socket
 import subprocess
@@ -464,3 +466,113 @@ def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
         got = [quantized.extract(i).checkpoints for i in range(4)]
         assert [[c.offset for c in r] for r in got] == before
         assert all(hasattr(c, "bits") for r in got for c in r)
+
+
+def on_disk(model, directory):
+    """The cache of ``FIRST`` (checkpoints at 512 and 1,024), written by a
+    disk tier in ``directory``, closed; the cache and the file's path."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache)
+    tier = DiskPromptCache(str(directory))
+    tier.put("m", FIRST, cache)
+    tier.close()
+    (name,) = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    return cache, directory / name
+
+
+def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
+    load_tiny, every, tmp_path
+):
+    """A disk tier writes the rings' checkpoints in the entry's file: read
+    back by another tier on the directory (a restarted server), the branch
+    prefills the 216 tokens past the one at 1,024 with a fresh prefill's
+    logits (within 1e-5), and the whole entry has both, bit for bit."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache, _ = on_disk(model, tmp_path)
+    fresh = prefill(model, SECOND, make_prompt_cache(model))
+    tier = DiskPromptCache(str(tmp_path))
+    fetched, rest = tier.get("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    rings = [i for i, c in enumerate(cache) if isinstance(c, RotatingKVCache)]
+    assert all([c.offset for c in fetched[i].checkpoints] == [512] for i in rings)
+    assert mx.allclose(prefill(model, rest, fetched), fresh, atol=1e-5, rtol=0).item()
+    whole, rest = tier.get("m", FIRST + [5])
+    assert rest == [5]
+    for i in rings:
+        pairs = list(zip(whole[i].checkpoints, cache[i].checkpoints))
+        assert len(pairs) == 2
+        assert all(same(temporal(a), temporal(b)) for a, b in pairs)
+
+
+def test_an_entry_written_without_checkpoints_still_loads(load_tiny, every, tmp_path):
+    """A file as the disk tier wrote it before checkpoints were kept (no
+    ``ring_checkpoints`` in its header) is served as before: the whole
+    prompt, and no branch past the window."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    _, path = on_disk(model, tmp_path)
+    assert "0.ring_checkpoints" not in read_header(path)[0]["__metadata__"]
+    tier = DiskPromptCache(str(tmp_path))
+    assert tier.get("m", FIRST + [5])[1] == [5]
+    assert tier.get("m", SECOND) is None
+
+
+def read_header(path):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def swap_positions(header, layers):
+    """The first ring's two checkpoints claim each other's positions."""
+    meta = header["__metadata__"]
+    held = json.loads(meta["0.ring_checkpoints"])
+    held[0][1], held[1][1] = held[1][1], held[0][1]
+    meta["0.ring_checkpoints"] = json.dumps(held)
+
+
+def given_to_full_attention(header, layers):
+    """A checkpoint claimed by a layer that is no ring."""
+    meta = header["__metadata__"]
+    held = json.loads(meta["0.ring_checkpoints"])
+    held[0][0] = next(i for i, c in enumerate(layers) if not hasattr(c, "max_size"))
+    meta["0.ring_checkpoints"] = json.dumps(held)
+
+
+@pytest.mark.parametrize("edit", [swap_positions, given_to_full_attention, None])
+def test_a_tampered_checkpoint_is_a_miss_never_a_wrong_cache(
+    load_tiny, every, tmp_path, caplog, edit
+):
+    """A file whose checkpoints were edited, its header resealed (manifest
+    recomputed: a crafted file), or one of whose checkpoint bytes flipped
+    (``None``), is skipped with a warning: no cache is served, neither a
+    branch nor the whole prompt."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache, path = on_disk(model, tmp_path)
+    header, body = read_header(path)
+    if edit is None:  # a byte of the last array, a checkpoint's
+        last = max(
+            (v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+        )
+        body = bytearray(body)
+        body[last[0] + 1] ^= 0x40
+    else:
+        edit(header, cache)
+        header["__metadata__"]["0.manifest"] = DiskPromptCache._manifest(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(body))
+    caplog.set_level(logging.WARNING)
+    tier = DiskPromptCache(str(tmp_path))
+    assert len(tier) == 1  # indexed: its header is sound
+    assert tier.get("m", SECOND) is None
+    assert tier.get("m", FIRST + [5]) is None  # not even the whole prompt
+    assert f"skipping {path}" in caplog.text

@@ -21,7 +21,10 @@ Rows keep their ``slack`` (``RotatingKVCache(slack=n)``): ``merge`` gives
 the batch the largest of its rows', whose undo ring fills while it decodes,
 and ``extract`` hands each row its evicted tokens, so a row taken out after
 a wrap can be trimmed back (a server's prompt cache reuses it). ``extend``
-resets the undo ring; it fills again over the next decode steps.
+resets the undo ring; it fills again over the next decode steps. Rows keep
+their window checkpoints (``prompt_cache_checkpoints``): those a row brings
+to ``merge`` and those its batch took, which ``extend`` cuts out per row,
+come back out with it from ``extract``; ``to_quantized`` converts them all.
 """
 
 from typing import TYPE_CHECKING

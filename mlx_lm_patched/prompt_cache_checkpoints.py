@@ -27,12 +27,22 @@ ring its checkpoint, a ``KVCache`` a trim) and the request prefills from
 there.
 
 Batched rings take checkpoints at multiples of ``n`` columns of the batch's
-timeline (rows take them at their own positions); ``extract`` hands each row
-its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
-empty rows (a copy of each), and an update with right padding (prompts of
-other lengths prefilled together) gives a row none past its own tokens. Quantized rings,
-single and batched, keep quantized checkpoints. Not kept: the disk tier's
-files, and the checkpoints of rows merged into a batch.
+timeline (rows take them at their own positions), and an update with right
+padding (prompts of other lengths prefilled together) gives a row none past
+its own tokens. Rows keep theirs as they move (``batch_rotating_rows``):
+``merge`` (a server batching fetched caches) keeps each row's in
+``row_checkpoints``, ``extend`` (a batch joining a running one) cuts the
+batch's out per row there, ``filter`` keeps them with their rows, and
+``extract`` hands each row its own, the newest ``max_checkpoints``. Quantized
+rings, single and batched, keep quantized checkpoints; ``to_quantized``
+quantizes a ring's (an entry at rest with ``LRUPromptCache(bits=...)``: 8
+bits 0.53x, 4 bits 0.28x of bfloat16's bytes, head dim 128), and a restore
+dequantizes the one it takes. The disk tier writes them in the entry's file
+(``prompt_cache_state``, ``ring_checkpoints`` in the header), each checked
+against its ring when read (``_prompt_cache_from_arrays``; a file that fails
+is a miss), and serves a longer entry from them (``_disk_restore_point``,
+``_back_to``). An entry counts the checkpoints it shares with another (the
+same objects, through a fetch) again in its bytes.
 """
 
 from typing import TYPE_CHECKING

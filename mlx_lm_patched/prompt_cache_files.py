@@ -23,7 +23,9 @@ is no state entry: each a ``ValueError`` naming the file, where upstream
 raised ``KeyError``, ``TypeError``, an error naming no file, or nothing.
 ``prompt_cache_mismatch`` says why a cache cannot serve a model (another
 layer count or head layout; ``prompt_cache_layout``), for ``generate
---prompt-cache-file`` and the server's disk tier.
+--prompt-cache-file`` and the server's disk tier. Rings' window checkpoints
+stored after the layers (``ring_checkpoints``, ``prompt_cache_state``) go
+back on their rings, each checked against its ring (``_with_checkpoints``).
 """
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional

@@ -76,7 +76,8 @@ def _restore_points(cache, length):
 def _back_to(cache, length, at, working=lambda c: c):
     """``cache``, a cache of ``length`` tokens to change, at ``at`` tokens:
     trimmed, or each ring that cannot be replaced by ``working(its
-    checkpoint at at)`` (with its older ones); ``None`` where it cannot."""
+    checkpoint at at)``, which keeps that checkpoint and the older ones (an
+    entry made from it branches back there again); ``None`` where it cannot."""
     if can_trim_prompt_cache(cache, length - at):
         trim_prompt_cache(cache, length - at)
         return cache
@@ -86,7 +87,7 @@ def _back_to(cache, length, at, working=lambda c: c):
         held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
         if at in held:
             cache[i] = working(held[at])
-            cache[i].checkpoints = [c for p, c in held.items() if p < at]
+            cache[i].checkpoints = [c for p, c in held.items() if p <= at]
         else:
             trim_prompt_cache([layer], length - at)
     return cache

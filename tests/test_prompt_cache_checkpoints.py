@@ -236,6 +236,28 @@ def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
     assert mx.allclose(logits, fresh, atol=1e-5, rtol=0).item()
 
 
+def test_a_cache_restored_from_a_checkpoint_keeps_it_for_the_next_branch(
+    load_tiny, every
+):
+    """Branching twice from one point (an edit regenerated, then edited
+    again): the cache restored from the checkpoint at 1,024 keeps it, so
+    the entry it makes serves the next branch from there too, with a fresh
+    prefill's logits."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    _, _, store = branch(model, 512)
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    prefill(model, rest, fetched)
+    again = LRUPromptCache()  # only the branch's entry
+    again.insert_cache("m", SECOND, fetched)
+    third = FIRST[:1100] + [(13 * j + 1) % 500 + 10 for j in range(30)]
+    cache, rest = again.fetch_nearest_cache("m", third)
+    assert len(rest) == len(third) - 1024
+    fresh = prefill(model, third, make_prompt_cache(model))
+    got = prefill(model, rest, cache)
+    assert mx.allclose(got, fresh, atol=1e-5, rtol=0).item()
+
+
 def first_logprobs(model, prompts, caches=None, **kwargs):
     """The first prompt's ``BatchGenerator`` response after one token (its
     log-probabilities, cache and tokens), in a batch with the others."""

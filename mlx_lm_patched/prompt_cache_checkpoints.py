@@ -85,8 +85,8 @@ def _back_to(cache, length, at, working=lambda c: c):
         return None
     for i, layer in enumerate(cache):
         held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
-        if at in held:
-            cache[i] = working(held[at])
+        if at in held:  # a ring of its own: never in its own checkpoints
+            cache[i] = copy.copy(working(held[at]))
             cache[i].checkpoints = [c for p, c in held.items() if p <= at]
         else:
             trim_prompt_cache([layer], length - at)

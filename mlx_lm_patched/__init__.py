@@ -35,6 +35,7 @@ from . import (
     prompt_cache_checkpoints,
     prompt_cache_dir,
     prompt_cache_disk,
+    prompt_cache_disk_blocks,
     prompt_cache_files,
     prompt_cache_store,
     quantized_attention,
@@ -99,6 +100,7 @@ PATCHES: List[_registry.Patch] = [
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
     prompt_cache_checkpoints.PATCH,  # cache.py: ring checkpoints, restored on fetch
     prompt_cache_dir.PATCH,  # cache.py: PromptCacheDir, a directory servers share
+    prompt_cache_disk_blocks.PATCH,  # cache.py: PromptBlockDir, shared block files
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
     server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
     kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined

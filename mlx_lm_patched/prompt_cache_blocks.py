@@ -89,25 +89,19 @@ class PromptBlocks:
         self.nbytes = 0
 
     def share(self, model: Any, tokens: List[int], prompt_cache: List[Any]):
-        """``prompt_cache`` (an entry at rest, the cache of ``tokens``) with
-        the whole blocks of its ``KVCache`` and ``QuantizedKVCache`` layers
-        shared; other layers as they are."""
-        import hashlib  # local: prompt_cache_dir adds it to the module, later
-
-        size, digests, new = self.block_size, [], []
-        seed = hashlib.sha256(repr(model).encode()).digest()
-        for start in range(0, len(tokens) - size + 1, size):
-            block = repr(list(tokens[start : start + size])).encode()
-            seed = hashlib.sha256(seed + block).digest()
-            digests.append(seed)
+        """``prompt_cache`` (an entry at rest or a working cache, the cache
+        of ``tokens``) with the whole blocks of its ``KVCache`` and
+        ``QuantizedKVCache`` layers shared, the blocks and tails copies of
+        their live tokens; other layers as they are."""
+        size, digests, new = self.block_size, self.chain(model, tokens), []
         out = []
         for i, c in enumerate(prompt_cache):
-            state = c.state if type(c) in (KVCache, QuantizedKVCache) else None
-            n = 0 if state is None or state[0] is None else c.offset // size
-            if n == 0 or c.offset > len(tokens):
+            n = self.count(c, tokens)
+            if n == 0:
                 out.append(c)
                 continue
-            arrays = state[:2]
+            state = c.state
+            arrays = tree_map(lambda x: x[..., : c.offset, :], state[:2])
             layout = repr(
                 (type(c).__name__, state[3:])
                 + tuple(
@@ -130,6 +124,26 @@ class PromptBlocks:
         mx.eval(new)  # the new blocks' and tails' copies, in one evaluation
         return out
 
+    def chain(self, model: Any, tokens: List[int]) -> List[bytes]:
+        """The SHA-256 chain of ``tokens``' whole blocks: each digest covers
+        the block's tokens and its parent's digest, the first ``model``."""
+        import hashlib  # local: prompt_cache_dir adds it to the module, later
+
+        size, digests = self.block_size, []
+        seed = hashlib.sha256(repr(model).encode()).digest()
+        for start in range(0, len(tokens) - size + 1, size):
+            block = repr(list(tokens[start : start + size])).encode()
+            seed = hashlib.sha256(seed + block).digest()
+            digests.append(seed)
+        return digests
+
+    def count(self, cache: Any, tokens: List[int]) -> int:
+        """The whole blocks ``share`` cuts ``cache``, the cache of ``tokens``,
+        into (0: it keeps the layer whole)."""
+        if type(cache) not in (KVCache, QuantizedKVCache) or cache.keys is None:
+            return 0
+        return 0 if cache.offset > len(tokens) else cache.offset // self.block_size
+
     def _take(self, key, arrays, new: List[Any]):
         """The block under ``key``, one more reference to it; ``arrays``
         (copied, appended to ``new`` to be evaluated) where the pool has none."""
@@ -145,14 +159,15 @@ class PromptBlocks:
 
     def release(self, prompt_cache: List[Any]) -> List[Any]:
         """Drop an entry's references to its blocks (a block no entry holds
-        leaves the pool); returns its layers whole, for a disk tier."""
+        leaves the pool); returns its layers, which still hold their blocks'
+        arrays, for a disk tier."""
         for c in prompt_cache:
             for block in c.blocks if isinstance(c, SharedPrefixCache) else ():
                 block[1] -= 1
                 if block[1] == 0:
                     del self._blocks[block[3]]
                     self.nbytes -= block[2]
-        return self.assemble(prompt_cache)
+        return prompt_cache
 
     def assemble(self, prompt_cache: List[Any]) -> List[Any]:
         """The entry's layers as the caches ``share`` was given, each shared

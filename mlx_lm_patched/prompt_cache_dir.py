@@ -7,7 +7,8 @@ without following links, reading each header within a bound (a FIFO once
 blocked a server's start, a 3 GiB sparse file was read whole). An entry is
 indexed only if its header's manifest digest (``_manifest``: every field
 but the checksums) matches; anything else is skipped with a warning naming
-it. The budget is counted over every entry file under an ``flock`` of the
+it. The budget is counted (``_shrink``, ``prompt_cache_disk_blocks``: with
+the block files entries share) over every file under an ``flock`` of the
 directory, so replicas sharing it hold it together (two held 7.77 MB of a
 4 MB budget when each counted its own), oldest mtime first; a killed
 writer's temporary files go at the next count; on a full disk the oldest
@@ -133,6 +134,18 @@ class PromptCacheDir:
         )
 
     @staticmethod
+    def _is_block(name: str):  # prompt_cache_disk_blocks
+        return (
+            len(name) == 50
+            and name.endswith(".block.safetensors")
+            and all(c in "0123456789abcdef" for c in name[:32])
+        )
+
+    def _is_temp(self, name: str):
+        stem = name.rsplit(".", 2)[0]
+        return name.endswith(".tmp") and (self._is_entry(stem) or self._is_block(stem))
+
+    @staticmethod
     def _manifest(header: dict):
         """A digest of everything in ``header`` but the two checksums: each
         array's dtype, shape and offsets, the model, tokens, trim count,
@@ -196,9 +209,11 @@ class PromptCacheDir:
         for e in os.scandir(self.directory):
             try:
                 st = os.lstat(e.path)
-                if e.name.endswith(".tmp") and self._is_entry(e.name[:44]):
+                if self._is_temp(e.name):
                     self._remove_stale(e.path)
                     continue
+                if self._is_block(e.name):
+                    continue  # counted by _shrink, read with its entries
                 if not stat.S_ISREG(st.st_mode):
                     raise ValueError("not a regular file")
                 if not self._is_entry(e.name):
@@ -262,25 +277,11 @@ class PromptCacheDir:
         if own:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError("not a regular file")
-            size = st.st_size
-            n = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
-            if not 0 < n <= min(size - 8, self.header_limit):
-                raise ValueError(f"a header of {n} bytes in a file of {size}")
-            raw = os.pread(fd, n, 8)
+            header, size = self._safetensors_header(fd)
         finally:
             if own:
                 os.close(fd)
-        header = json.loads(raw)
-        if not isinstance(header, dict) or not isinstance(
-            header.get("__metadata__"), dict
-        ):
-            raise ValueError("no metadata")
         meta = header["__metadata__"]
-        if meta.get("0.manifest") != self._manifest(header):
-            raise ValueError("its header does not match its manifest")
         model, tokens = meta.get("0.model"), json.loads(meta.get("0.tokens", "null"))
         trimmable = meta.get("0.trimmable", "")
         if not (
@@ -293,6 +294,28 @@ class PromptCacheDir:
             raise ValueError("its model, tokens or trim count are malformed")
         if os.path.basename(path) != self._name(model, tokens):
             raise ValueError("its name is not the hash of its model and tokens")
+        entry = (model, tokens, int(trimmable), size)
+        return (entry, header) if full else entry
+
+    def _safetensors_header(self, fd: int):
+        """``(header, file bytes)`` of the file open on ``fd``: a regular
+        file, a header of at most ``header_limit`` bytes matching its
+        manifest, each array's dtype, shape and offsets well formed, the
+        arrays filling the file without gaps."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
+        n = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
+        if not 0 < n <= min(size - 8, self.header_limit):
+            raise ValueError(f"a header of {n} bytes in a file of {size}")
+        header = json.loads(os.pread(fd, n, 8))
+        if not isinstance(header, dict) or not isinstance(
+            header.get("__metadata__"), dict
+        ):
+            raise ValueError("no metadata")
+        if header["__metadata__"].get("0.manifest") != self._manifest(header):
+            raise ValueError("its header does not match its manifest")
         spans = []
         for k, v in header.items():
             if k == "__metadata__":
@@ -321,8 +344,7 @@ class PromptCacheDir:
             end = stop
         if size != 8 + n + end:
             raise ValueError(f"{size} bytes where its header needs {8 + n + end}")
-        entry = (model, tokens, int(trimmable), size)
-        return (entry, header) if full else entry
+        return header, size
 
     def _read_arrays(self, fd: int, header: dict, each):
         """Call ``each(key, bytes)`` for each array of the entry file open on
@@ -438,42 +460,6 @@ class PromptCacheDir:
         """Drop the entries another process removed: written, not in ``present``."""
         for name in set(self._files) - present - set(self._pending):
             self._drop(name)
-
-    def _shrink(self, free: int = 0):
-        """Count every entry file in the directory (other processes' too)
-        and remove the least recently used until they fit ``max_bytes`` and,
-        with ``free``, take ``free`` fewer bytes; return the bytes removed.
-        Called with the directory locked."""
-        found = []
-        for e in os.scandir(self.directory):
-            if self._is_entry(e.name):
-                try:
-                    st = os.lstat(e.path)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    found.append((st.st_mtime_ns, e.name, st.st_size))
-            elif e.name.endswith(".tmp") and self._is_entry(e.name[:44]):
-                self._remove_stale(e.path)
-        total = sum(size for _, _, size in found)
-        limit, removed = min(self.max_bytes, total - free), 0
-        with self._lock:
-            self._forget({name for _, name, _ in found})
-            for _, name, size in sorted(found):
-                if total - removed <= limit:
-                    break
-                try:
-                    os.remove(os.path.join(self.directory, name))
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    logging.warning(f"[prompt cache] could not remove {name}: {e!r}")
-                    continue
-                removed += size
-                if name in self._files:
-                    self._drop(name)
-        self._n_bytes = total - removed
-        return removed
 
 
 PromptCacheDir = cache_class("mlx_lm.models.cache", PromptCacheDir)

@@ -8,8 +8,9 @@ format string B"), a quantized cache's keys are tuples; their fixes
 dequantize and cast to float16 before writing, which changes the tokens.
 
 ``DiskPromptCache(directory, max_bytes)`` keeps prompt caches as files
-``load_prompt_cache`` reads, in a ``PromptCacheDir`` (``prompt_cache_dir``:
-the names, the manifest, the scan, the shared budget). ``put`` queues the
+in a ``PromptBlockDir`` (``prompt_cache_dir``: the names, the manifest, the
+scan; ``prompt_cache_disk_blocks``: shared prefix blocks as block files
+written once, the budget). ``put`` queues the
 entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
 which another thread cannot do; bfloat16 as its bits, quantized caches as
 their packed triples, nothing upcast or copied) and returns (a 524 MB entry
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 from mlx_lm.models.cache import LRUPromptCache
 
 from ._registry import Patch, cache_class, targets
-from .prompt_cache_dir import PromptCacheDir
+from .prompt_cache_disk_blocks import PromptBlockDir
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import errno
@@ -62,12 +63,11 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import queue
     import threading
     import time
-    import zlib
 
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache
 
-    from .host_export import HostPromptCache, prompt_cache_state
+    from .host_export import prompt_cache_state
     from .prompt_cache_checkpoints import _back_to, _disk_restore_point
     from .prompt_cache_files import (
         _prompt_cache_from_arrays,
@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     )
 
 
-class DiskPromptCache(PromptCacheDir):
+class DiskPromptCache(PromptBlockDir):
     """Prompt caches in ``directory``, at most ``max_bytes`` of files.
 
     Each file is a ``.safetensors`` prompt cache named by a hash of its model
@@ -97,7 +97,7 @@ class DiskPromptCache(PromptCacheDir):
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
-        PromptCacheDir.__init__(self, directory, max_bytes)
+        PromptBlockDir.__init__(self, directory, max_bytes)
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0  # of the entries in _pending
         self.dropped = 0  # entries not queued: the queue was full
@@ -133,13 +133,16 @@ class DiskPromptCache(PromptCacheDir):
             trimmable, hi = (
                 (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
             )
+        cache, blocks_metadata, blocks = self._blocked(model, tokens, cache)
         self._learn(model, cache)
         metadata = {
             "model": model,
             "tokens": json.dumps(tokens),
             "trimmable": str(trimmable),
+            **blocks_metadata,
         }
         state = prompt_cache_state(cache, metadata)
+        state.blocks = blocks
         with self._lock:
             if self._pending and self.queued_bytes + state.nbytes > self.queue_bytes:
                 self.dropped += 1
@@ -184,24 +187,16 @@ class DiskPromptCache(PromptCacheDir):
         self._queue.task_done()
 
     def _write(self, name: str, state):
-        """Write the queued entry ``name``; whether it was written."""
-        import numpy as np
-
+        """Write the queued entry ``name`` (its block files first); whether
+        it was written."""
         if state.nbytes > self.max_bytes:
             return False
         # The host copy, on this thread: the arrays' own memory, read in place.
-        arrays = {k: np.asarray(a, order="C") for k, a in state.arrays.items()}
-        host = HostPromptCache(arrays, state.dtypes, dict(state.metadata))
+        host, header = self._seal(state)
         entry = self._files[name][:3]
-        header = host.header()
-        host.metadata["0.manifest"] = self._manifest(header)
-        crc = 0
-        for k in sorted(host.arrays):
-            a = host.arrays[k]
-            crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False), crc)
-        host.metadata["0.crc32"] = str(crc)  # next to put's metadata
         path = os.path.join(self.directory, name)
         temp = f"{path}.{os.getpid()}-{id(self):x}.tmp"
+        blocks = self._block_temps(state.blocks)
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # not stale while it is written
@@ -222,6 +217,7 @@ class DiskPromptCache(PromptCacheDir):
                         self._unlock_dir()
             self._lock_dir()
             try:
+                self._place_blocks(state.blocks, blocks)  # before the entry
                 os.replace(temp, path)
                 now = time.time_ns()  # finer than the file system's clock
                 os.utime(path, ns=(now, now))
@@ -234,6 +230,7 @@ class DiskPromptCache(PromptCacheDir):
             if os.path.lexists(temp):
                 os.remove(temp)
             os.close(fd)
+            self._close_temps(blocks)
         return True
 
     def _pending_cache(self, name: str):
@@ -242,9 +239,8 @@ class DiskPromptCache(PromptCacheDir):
         state = self._pending.get(name)
         if state is None:
             return None
-        arrays = {
-            k: a.view(getattr(mx, state.dtypes[k])) for k, a in state.arrays.items()
-        }
+        found = {n: self._views(b) for n, b in state.blocks.items()}
+        arrays = self._join(self._views(state), state.metadata, found)
         return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
 
     def _load(self, name: str):
@@ -264,16 +260,15 @@ class DiskPromptCache(PromptCacheDir):
                 arrays = {}
 
                 def build(k, data):  # to the device while more is read
-                    dtype = getattr(mx, self.dtypes[header[k]["dtype"]])
-                    bits = data.view(f"<u{dtype.size}").reshape(header[k]["shape"])
-                    arrays[k] = mx.array(bits).view(dtype)
+                    arrays[k] = self._array(header[k], data)
                     mx.async_eval(arrays[k])
 
                 self._read_arrays(fd, header, build)
             finally:
                 os.close(fd)
-            mx.eval(list(arrays.values()))
             metadata = header["__metadata__"]
+            arrays = self._with_blocks(entry, header, arrays)  # shared prefix
+            mx.eval(list(arrays.values()))
             cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
             for i, c in enumerate(cache):
                 offset = getattr(c, "offset", None)
@@ -474,16 +469,15 @@ class DiskLRUPromptCache(LRUPromptCache):
         return model, tokens, entry
 
     def _spill(self, model: Any, tokens: List[int], entry):
-        # Shared prefix blocks (prompt_cache_blocks) are joined, lazily: an
-        # entry queued or on disk already costs nothing, a new one a copy.
+        # Shared prefix blocks (prompt_cache_blocks) go as block files.
         try:
-            self.disk.put(model, tokens, self._blocks.assemble(entry.prompt_cache))
+            self.disk.put(model, tokens, entry.prompt_cache)
         except Exception as e:  # not written: a miss later, never an error now
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")
 
 
 # Written as they read in mlx_lm/models/cache.py, and run there.
-DiskPromptCache = cache_class("mlx_lm.models.cache", DiskPromptCache, PromptCacheDir)
+DiskPromptCache = cache_class("mlx_lm.models.cache", DiskPromptCache, PromptBlockDir)
 DiskLRUPromptCache = cache_class(
     "mlx_lm.models.cache", DiskLRUPromptCache, LRUPromptCache
 )

@@ -33,8 +33,10 @@ also one read back from a disk tier (``_working``), is dequantized on fetch.
 Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
 ``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
 assembles the entry (``_working_cache``), an entry leaving (replaced, a
-prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns it
-whole), and ``nbytes`` counts each block once.
+prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns
+its layers holding their blocks, which a disk tier writes as blocks), and
+``nbytes`` counts each block once. The layers cut into blocks are cut from
+the working cache: their blocks and tail are the one copy an insert makes.
 
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
@@ -181,8 +183,16 @@ class LRUPromptCache:
         *,
         cache_type: str = "assistant",
     ):
-        # Store a copy of the live tokens, not the working buffers
-        prompt_cache = [self._at_rest(c) for c in prompt_cache]
+        # Store a copy of the live tokens, not the working buffers (layers
+        # cut into blocks are copied as their blocks and tail, once)
+        prompt_cache = [
+            (
+                c
+                if self.bits is None and self._blocks.count(c, tokens)
+                else self._at_rest(c)
+            )
+            for c in prompt_cache
+        ]
         prompt_cache = self._blocks.share(model, tokens, prompt_cache)
 
         # Make the cache entry

@@ -11,8 +11,8 @@ the model's and the draft's caches with ``max_kv_size`` and gives every
 rotating layer ``slack`` for ``num_draft_tokens`` (``RotatingKVCache``
 steps back that many tokens exactly after a wrap, see ``rotating_prealloc``);
 a trim it still cannot do exactly returns 0 (``ring_trim_slack``). Greedy tokens equal
-the no-draft run's with the same ``max_kv_size``. The quantized ring has no
-slack: ``kv_bits`` with a rotating layer is refused before the first token.
+the no-draft run's with the same ``max_kv_size``, also with ``kv_bits``: the
+quantized ring keeps the slack (``quantized_ring``).
 """
 
 from typing import TYPE_CHECKING, Generator, List, Optional, Union
@@ -37,17 +37,10 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 # Written as they read in mlx_lm/generate.py, and run there.
-def _give_slack(prompt_cache, num_draft_tokens, kv_bits):
-    """Let every rotating layer step back ``num_draft_tokens`` after a wrap.
-    A quantized ring cannot: ``kv_bits`` with a rotating layer is refused
-    here, not at the first trim after the ring wraps."""
+def _give_slack(prompt_cache, num_draft_tokens):
+    """Let every rotating layer step back ``num_draft_tokens`` after a wrap
+    (``kv_bits`` quantizes a ring into one that keeps the slack)."""
     for c in prompt_cache:
-        if hasattr(c, "slack") and kv_bits is not None:
-            raise ValueError(
-                "kv_bits with a draft model: a rotating cache (sliding-window "
-                "layers, max_kv_size) quantizes into a ring that cannot trim "
-                "the rejected draft tokens back"
-            )
         if hasattr(c, "slack") and c.slack < num_draft_tokens:
             if num_draft_tokens > c.max_size - c.keep:
                 raise ValueError(
@@ -125,7 +118,7 @@ def stream_generate(
             ) + make_prompt_cache(draft_model, max_kv_size)
         # speculative_generate_step's default: 2 draft tokens.
         num_draft_tokens = kwargs.get("num_draft_tokens", 2)
-        _give_slack(kwargs["prompt_cache"], num_draft_tokens, kwargs.get("kv_bits"))
+        _give_slack(kwargs["prompt_cache"], num_draft_tokens)
         token_generator = speculative_generate_step(
             prompt, model, draft_model, stream, **kwargs
         )

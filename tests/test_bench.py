@@ -231,6 +231,10 @@ def test_disk_write_bench_writes_every_entry_it_puts(tmp_path):
     assert out["entry_bytes"] == 2 * 2 * 2 * 16 * 300 * 2 + 2 * 4
     assert len(out["put_ms_all"]) == 3
     assert (out["queued"], out["dropped"], out["left_unwritten"]) == (2, 0, 0)
+    out = disk_write.main(argv.split() + ["--queued", "0", "--blocks", "64"])
+    assert len(out["insert_ms_all"]) == len(out["insert_shared_ms_all"]) == 3
+    # Each repeat: its 4 whole blocks and tail, another tail, and a whole entry
+    assert out["dir_bytes"] > 3 * 2 * out["entry_bytes"]
 
 
 def test_prompt_cache_bench_stores_live_tokens_with_upstream_tokens():
@@ -256,6 +260,11 @@ def test_prefix_blocks_bench_stores_a_shared_prefix_once():
     assert out["blocks_64"]["stored_bytes"] * 260 == out["once_bytes"] * (192 + 84)
     assert out["blocks_64"]["held_bytes"] == out["blocks_64"]["stored_bytes"]
     assert out["whole"]["ratio"] > 2.5 and out["targets"]["same_logits"]
+    # On disk: the prefix's 3 blocks are files every entry names, once
+    disk = out["disk"]
+    assert disk["blocks_64"]["shared_bytes"] * 260 > out["once_bytes"] * 192
+    assert disk["blocks_64"]["dir_bytes"] < disk["whole"]["dir_bytes"] / 2
+    assert disk["whole"]["shared_bytes"] == 0
 
 
 def test_slack_bench_decodes_every_ring_in_place():

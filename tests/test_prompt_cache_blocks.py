@@ -140,6 +140,30 @@ def test_writing_a_fetched_cache_leaves_the_blocks_as_they_were(patched):
         assert same(got.state[:2], live(want))
 
 
+def test_an_insert_copies_the_working_cache_once_and_keeps_none_of_it(
+    patched, exact_active_memory
+):
+    """The blocks and tail are cut from the working cache: an insert peaks
+    at one copy of the entry (no copy at rest before the cut), and writing
+    the working cache in place afterwards leaves the entry as it was."""
+    mx.random.seed(0)
+    ((tokens, (cache,)),) = conversations(1, 700, 60)
+    want = tuple(mx.array(x) for x in live(cache))
+    mx.eval(want)
+    lru = LRUPromptCache()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = active()
+    lru.insert_cache("m", tokens, [cache])
+    assert mx.get_peak_memory() - before < 1.2 * PER_TOKEN * 760
+    assert active() - before == lru.nbytes == PER_TOKEN * 760
+    cache.trim(300)  # the working cache goes on, in its own buffer
+    cache.update_and_fetch(*random_kv(1, H, 300, D))
+    mx.eval(cache.state)
+    (got,), _ = lru.fetch_nearest_cache("m", tokens)
+    assert same(got.state[:2], want)
+
+
 def test_two_models_or_two_layouts_never_share_a_block(patched):
     mx.random.seed(0)
     ((tokens, cache),) = conversations(1, 300, 0)

@@ -75,7 +75,8 @@ def written(directory, *entries, max_bytes=1 << 63):
 
 
 def files(directory):
-    return sorted(os.listdir(directory))
+    """The files in ``directory`` but block files (prompt_cache_disk_blocks)."""
+    return sorted(f for f in os.listdir(directory) if ".block." not in f)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -286,7 +287,6 @@ def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
         DiskLRUPromptCache,
         LRUPromptCache,
         RotatingKVCache,
-        load_prompt_cache,
     )
 
     monkeypatch.setattr(RotatingKVCache, "slack", 8)  # as the server's rings
@@ -299,9 +299,9 @@ def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
         lru.insert_cache(MODEL, first, prefilled(model, first))
         lru.insert_cache(MODEL, second, prefilled(model, second))  # evicts first
         tier.flush()
-        # Written behind, both are on disk: the evicted one is first's.
-        name_on_disk = tier._name(tier._model_key(MODEL), first)
-        stored[name] = load_prompt_cache(str(tmp_path / name / name_on_disk))
+        # Written behind, both are on disk: the evicted one is first's (its
+        # shared layers' blocks in block files, read with it).
+        stored[name] = tier._load(tier._name(tier._model_key(MODEL), first))
         if at_rest:
             ram = LRUPromptCache(bits=bits)
             ram.insert_cache(MODEL, first, prefilled(model, first))

@@ -45,9 +45,19 @@ def test_more_draft_tokens_than_a_ring_holds_raise(load_tiny, patched):
         tokens(model, tokenizer, model, max_kv_size=48, num_draft_tokens=50)
 
 
-def test_kv_bits_with_a_rotating_layer_raises_before_the_first_token(
-    load_tiny, patched
+@pytest.mark.parametrize("family, max_kv_size", [("gemma3_text", None), ("llama", 48)])
+def test_draft_with_kv_bits_gives_the_no_draft_tokens_on_a_quantized_ring(
+    load_tiny, patched, family, max_kv_size
 ):
-    model, tokenizer = load_tiny("gemma3_text")
-    with pytest.raises(ValueError, match="kv_bits with a draft model"):
-        tokens(model, tokenizer, model, kv_bits=8, num_draft_tokens=2)
+    """Quantized from the first token: a draft model verifies in chunks, so
+    a later ``quantized_kv_start`` converts the cache a few tokens apart."""
+    model, tokenizer = load_tiny(family)
+    draft, _ = load_tiny(family, seed=1)
+    kw = dict(max_kv_size=max_kv_size, kv_bits=4, kv_group_size=32)
+    want = tokens(model, tokenizer, quantized_kv_start=0, **kw)
+    assert want != tokens(model, tokenizer, max_kv_size=max_kv_size)  # quantized
+    for n in (1, 3):
+        got = tokens(
+            model, tokenizer, draft, num_draft_tokens=n, quantized_kv_start=0, **kw
+        )
+        assert got == want

@@ -12,16 +12,32 @@ arrays themselves (``prompt_cache_to_host``, the copy it made). Then
 is timed: ``drain_s``, what a server stopped with SIGTERM waits, and how
 many entries were left unwritten or dropped (the queue holds ``1G``).
 
-    python -m mlx_lm_patched.bench disk_write
+With ``--blocks N``, the entry is also inserted ``--repeat`` times into a
+``DiskLRUPromptCache`` whose prompt cache shares blocks of ``N`` tokens
+(``prompt_cache_blocks``), each under other tokens (every block new) and
+then once more behind the same prefix (only the tail new):
+``insert_ms`` / ``insert_shared_ms`` are the median time ``insert_cache``
+held the caller (the copy into blocks and ``put``), ``insert_whole_ms``
+the same with no blocks (an entry stored whole), and ``dir_bytes`` the
+directory once everything is written.
+
+    python -m mlx_lm_patched.bench disk_write [--blocks 64]
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import DiskPromptCache, KVCache, prompt_cache_to_host
+from mlx_lm.models.cache import (
+    DiskLRUPromptCache,
+    DiskPromptCache,
+    KVCache,
+    PromptBlocks,
+    prompt_cache_to_host,
+)
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny
@@ -69,7 +85,9 @@ def run(args):
         t = time.perf_counter()
         left = tier.close(timeout=tier.drain_seconds)
         drain_s = time.perf_counter() - t
+    blocks = inserts(args, cache, tokens) if args.blocks else {}
     return {
+        **blocks,
         "entry_bytes": nbytes,
         "put_ms": round(1e3 * statistics.median(puts), 2),
         "put_ms_all": [round(1e3 * s, 2) for s in puts],
@@ -84,6 +102,33 @@ def run(args):
     }
 
 
+def inserts(args, cache, tokens):
+    """Milliseconds ``DiskLRUPromptCache.insert_cache`` held the caller, per
+    side, and the bytes of the directory it wrote (see the module)."""
+    times = {"insert_ms": [], "insert_whole_ms": [], "insert_shared_ms": []}
+    with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-disk-write-") as d:
+        tier = DiskPromptCache(d)
+        for i in range(args.repeat):
+            sides = (("insert_ms", args.blocks), ("insert_whole_ms", 1 << 40))
+            for j, (side, size) in enumerate(sides):
+                lru = DiskLRUPromptCache(tier, max_size=2)
+                lru._blocks = PromptBlocks(size)
+                t = time.perf_counter()
+                lru.insert_cache(MODEL_KEY, [j, i] + tokens, cache)
+                times[side].append(1e3 * (time.perf_counter() - t))
+                if side == "insert_ms":  # the same prefix, another last token
+                    t = time.perf_counter()
+                    lru.insert_cache(MODEL_KEY, [j, i] + tokens[:-1] + [1], cache)
+                    times["insert_shared_ms"].append(1e3 * (time.perf_counter() - t))
+                tier.flush()
+                del lru
+        dir_bytes = sum(e.stat().st_size for e in os.scandir(d))
+        tier.close()
+    out = {k: round(statistics.median(v), 1) for k, v in times.items()}
+    out.update({f"{k}_all": [round(x, 1) for x in v] for k, v in times.items()})
+    return {"blocks": args.blocks, **out, "dir_bytes": dir_bytes}
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_lm_patched.bench.disk_write",
@@ -96,6 +141,7 @@ def build_parser():
     p.add_argument("--dtype", default="bfloat16", choices=list(tiny.DTYPES))
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--queued", type=int, default=2)
+    p.add_argument("--blocks", type=int, help="also time inserts with these blocks")
     p.add_argument("--device", choices=["cpu", "gpu"])
     p.add_argument("--out", help="also write the JSON here")
     return p

@@ -12,6 +12,13 @@ main before ``prompt_cache_blocks``; blocks_N: patched, blocks of N tokens):
   ratio         stored_bytes / once_bytes (once_bytes: the prefix once plus
                 every tail, from the model's geometry; issue #28's target 1.3)
 
+On disk (``disk``), the same conversations go through a
+``DiskLRUPromptCache`` (write-behind, then flushed), whole and in blocks
+of the default size: ``dir_bytes`` and its ``ratio`` to once_bytes, the
+bytes of the block files every entry names (``shared_bytes``) and each
+entry's own (its file and the blocks only it names, the mean), and from
+them the ratio ``--many`` conversations would give (``ratio_at_many``).
+
 Then, on the default block size, the two ways a fetch can give a working
 cache of its own (``--repeats`` times each, the median): ``copy_at_fetch``
 (what ``LRUPromptCache.fetch_nearest_cache`` does: blocks and tail
@@ -26,7 +33,9 @@ prefill's logits and those of a fresh cache fed the same chunks
 
 import argparse
 import copy
+import os
 import statistics
+import tempfile
 import time
 
 import mlx.core as mx
@@ -65,6 +74,39 @@ def fill(caches, convs, block_size):
     return lru, mx.get_active_memory() - before
 
 
+def on_disk(caches, convs, block_size, args, per_token):
+    """What a ``DiskLRUPromptCache``'s directory holds for ``convs`` (see
+    the module)."""
+    from mlx_lm.models import cache as cache_module
+
+    with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-prefix-") as d:
+        tier = cache_module.DiskPromptCache(d)
+        lru = cache_module.DiskLRUPromptCache(tier, max_size=len(convs))
+        lru._blocks = cache_module.PromptBlocks(block_size)
+        for tokens, cache in zip(convs, caches):
+            lru.insert_cache("model", tokens, cache)
+        tier.flush()
+        size = {e.name: e.stat().st_size for e in os.scandir(d)}
+        refs = {name: tier._refs(name) for name in tier._files}
+        tier.close()
+    shared = set.intersection(*refs.values())
+    own = [size[n] + sum(size[b] for b in r - shared) for n, r in refs.items()]
+    shared_bytes, own_each = sum(size[b] for b in shared), statistics.mean(own)
+
+    def once(n):  # the prefix once and n tails
+        return per_token * (args.prefix + n * args.tail)
+
+    return {
+        "dir_bytes": sum(size.values()),
+        "ratio": round(sum(size.values()) / once(len(convs)), 3),
+        "shared_bytes": shared_bytes,
+        "own_bytes_each": round(own_each),
+        "ratio_at_many": round(
+            (shared_bytes + args.many * own_each) / once(args.many), 3
+        ),
+    }
+
+
 def fetch(model, lru, tokens, turn, lazy):
     mx.clear_cache()
     start = mx.get_active_memory()
@@ -88,6 +130,7 @@ def build_parser():
     p.add_argument("--tail", type=int, default=200)
     p.add_argument("--turn", type=int, default=50, help="new tokens after a fetch")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256])
+    p.add_argument("--many", type=int, default=1000, help="conversations, on disk")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", choices=["cpu", "gpu"])
@@ -138,6 +181,12 @@ def main(argv=None):
             result[name]["held_bytes"] = held
         del lru
     mlx_lm_patched.apply()
+    default = PromptBlocks().block_size
+    result["disk"] = {
+        name: on_disk(caches, convs, size, args, per_token)
+        for name, size in (("whole", 1 << 40), (f"blocks_{default}", default))
+    }
+    result["disk"]["many"] = args.many
 
     lru, _ = fill(caches, convs, None)
     del caches
@@ -161,6 +210,7 @@ def main(argv=None):
             else None
         ),
         "same_logits": result["copy_at_fetch"]["max_abs_logit_diff"] == 0,
+        "disk_ratio_at_most_1.3": result["disk"][f"blocks_{default}"]["ratio"] <= 1.3,
     }
     emit(result, args.out)
     return result

@@ -1,7 +1,8 @@
 """``generate --draft-model`` with a bounded cache gives the tokens of the
 same command without the draft: with ``--max-kv-size`` (upstream drops the
 bound when a draft model is given) and on gemma3_text's sliding layers
-(upstream keeps rejected draft tokens in a wrapped ring and drifts)."""
+(upstream keeps rejected draft tokens in a wrapped ring and drifts), also
+with ``--kv-bits``."""
 
 import pytest
 from harness import LONG, generate, text_of
@@ -11,8 +12,17 @@ def tokens(model, *flags, upstream=False):
     return text_of(generate(model, LONG, *flags, upstream=upstream, max_tokens=64))
 
 
+KV4 = ["--kv-bits", 4, "--kv-group-size", 32, "--quantized-kv-start", 0]
+
+
 @pytest.mark.parametrize(
-    "name, flags", [("llama", ["--max-kv-size", 48]), ("gemma3_text", [])]
+    "name, flags",
+    [
+        ("llama", ["--max-kv-size", 48]),
+        ("gemma3_text", []),
+        ("llama", ["--max-kv-size", 48, *KV4]),  # a quantized ring steps back too
+        ("gemma3_text", KV4),
+    ],
 )
 def test_draft_gives_the_no_draft_tokens(model_dir, make_tiny_dir, name, flags):
     # A draft of other random weights: some drafts are rejected and trimmed.

@@ -9,7 +9,7 @@ steps back within its slack).
 import re
 
 from harness import LONG, OTHER_LONG, SHORT, WORDS, Server
-from test_server_prompt_cache_disk import complete, entries, interrupt
+from test_server_prompt_cache_disk import complete, entries, interrupt, load_entry
 
 from mlx_lm_patched.server import SLACK
 
@@ -37,7 +37,6 @@ def test_a_repeated_prompt_hits_entries_kept_quantized_at_rest(make_tiny_dir, tm
 
 
 def test_entries_quantized_on_disk_are_hit_after_a_restart(make_tiny_dir, tmp_path):
-    from mlx_lm.models.cache import load_prompt_cache
 
     model = make_tiny_dir("gemma3_text", dtype="bfloat16", head_dim=64)
     cache_dir = tmp_path / "cache"
@@ -54,9 +53,10 @@ def test_entries_quantized_on_disk_are_hit_after_a_restart(make_tiny_dir, tmp_pa
 
     assert cached == 0 and cached_again == prompt_tokens - 1, server.log()
     for name in written:
-        kinds = {type(c).__name__ for c in load_prompt_cache(str(cache_dir / name))}
+        cache = load_entry(cache_dir, name)
+        kinds = {type(c).__name__ for c in cache}
         assert kinds == {"QuantizedRotatingKVCache", "QuantizedKVCache"}
-        assert {c.bits for c in load_prompt_cache(str(cache_dir / name))} == {4}
+        assert {c.bits for c in cache} == {4}
 
 
 def re_rendered(text):

@@ -30,16 +30,32 @@ def complete(server):
 
 
 def entries(directory, seconds=60):
-    """The entry files in ``directory`` once one is there (the writer's thread)."""
+    """The entry files in ``directory`` once one is there (the writer's
+    thread); block files (``prompt_cache_disk_blocks``) apart."""
     deadline = time.monotonic() + seconds
     while True:
-        found = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+        found = [f for f in os.listdir(directory) if is_entry(f)]
         if found:
             return found
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
     raise TimeoutError(f"no entry written to {directory} in {seconds} s")
+
+
+def is_entry(name):
+    return name.endswith(".safetensors") and not name.endswith(".block.safetensors")
+
+
+def load_entry(directory, name):
+    """The cache in entry file ``name``, its block files joined in."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    tier = DiskPromptCache(str(directory))
+    try:
+        return tier._load(name)
+    finally:
+        tier.close()
 
 
 def interrupt(server):

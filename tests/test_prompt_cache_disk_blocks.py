@@ -1,0 +1,349 @@
+"""prompt_cache_disk_blocks: the disk tier writes a prefix entries share as
+block files, once per directory (replicas too), reads an entry back from
+its blocks and tail bit for bit, removes a block only with the last entry
+naming it, and turns every tampered, missing or foreign block into a miss
+with a warning."""
+
+import json
+import logging
+import os
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import (
+    DiskLRUPromptCache,
+    DiskPromptCache,
+    KVCache,
+    PromptBlocks,
+    QuantizedKVCache,
+)
+from ringref import random_kv, same
+
+pytestmark = pytest.mark.usefixtures("patched")
+
+LAYERS, H, D = 2, 2, 32
+PER_TOKEN = LAYERS * 2 * H * D * 4  # float32 keys and values, every layer
+SIZE = PromptBlocks().block_size
+
+
+def conversations(n, prefix, tail, first=3):
+    """``n`` ``(tokens, cache)`` of ``LAYERS`` ``KVCache`` layers: one
+    ``prefix`` (the same tokens from ``first`` on, keys and values in each),
+    then ``tail`` tokens of their own."""
+    shared = [random_kv(1, H, prefix, D) for _ in range(LAYERS)]
+    out = []
+    for i in range(n):
+        cache = []
+        for k0, v0 in shared:
+            k, v = random_kv(1, H, tail, D)
+            c = KVCache()
+            c.update_and_fetch(mx.concatenate([k0, k], 2), mx.concatenate([v0, v], 2))
+            cache.append(c)
+        mx.eval([c.state for c in cache])
+        tokens = [first + j % 500 for j in range(prefix)]
+        out.append((tokens + [1000 * (i + 1) + j for j in range(tail)], cache))
+    return out
+
+
+def live(cache):
+    return [tuple(x[..., : c.offset, :] for x in c.state[:2]) for c in cache]
+
+
+def stored(directory, convs, max_bytes=1 << 63, **kwargs):
+    """A ``DiskLRUPromptCache`` on ``directory`` that stored ``convs``, its
+    writes done."""
+    lru = DiskLRUPromptCache(DiskPromptCache(str(directory), max_bytes), **kwargs)
+    for tokens, cache in convs:
+        lru.insert_cache("m", tokens, cache)
+    lru.disk.flush()
+    return lru
+
+
+def blocks(directory):
+    return sorted(f for f in os.listdir(directory) if f.endswith(".block.safetensors"))
+
+
+def entries(directory):
+    return sorted(f for f in os.listdir(directory) if len(f) == 44)
+
+
+def dir_bytes(directory):
+    return sum(
+        os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+    )
+
+
+def test_a_shared_prefix_is_on_disk_once(tmp_path):
+    """8 conversations of a 2,000-token prefix plus 200 own tokens: the
+    directory holds about the prefix once plus the tails (at most 1.3x;
+    whole entries hold 8x the prefix), and its budget counts a block once."""
+    mx.random.seed(0)
+    convs = conversations(8, 2000, 200)
+    lru = stored(tmp_path / "blocks", convs, max_size=8)
+    once = PER_TOKEN * (2000 + 8 * 200)
+    on_disk = dir_bytes(tmp_path / "blocks")
+    # The prefix's whole blocks once; each conversation's own blocks.
+    assert len(blocks(tmp_path / "blocks")) == 2000 // SIZE + 8 * (
+        2200 // SIZE - 2000 // SIZE
+    )
+    assert on_disk <= 1.3 * once
+    assert lru.disk.nbytes == on_disk
+    whole = DiskPromptCache(str(tmp_path / "whole"))
+    for tokens, cache in convs:  # layers given whole: written whole
+        whole.put("m", tokens, cache)
+    whole.flush()
+    assert dir_bytes(tmp_path / "whole") > 4 * once
+    for d in (lru.disk, whole):
+        d.close()
+
+
+def test_a_restart_reads_an_entry_from_its_blocks_bit_for_bit(tmp_path):
+    mx.random.seed(1)
+    convs = conversations(3, 300, 40)
+    stored(tmp_path, convs).disk.close()
+    again = DiskPromptCache(str(tmp_path))  # a restart: a new index
+    for tokens, cache in convs:
+        got, rest = again.get("m", tokens)
+        assert rest == [] and same(live(got), live(cache))
+        got, rest = again.get("m", tokens[:250] + [7])  # trimmed back
+        assert rest == [7] and same(live(got), [
+            tuple(x[..., :250, :] for x in kv) for kv in live(cache)
+        ])  # fmt: skip
+    again.close()
+
+
+def test_a_queued_entry_is_served_from_its_blocks_before_it_is_written(tmp_path):
+    mx.random.seed(2)
+    (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru.disk._lock_dir()  # the writer waits: nothing is renamed in
+    try:
+        lru.insert_cache("m", tokens, cache)
+        assert lru.disk.queued == 1 and entries(tmp_path) == []
+        got, rest = lru.disk.get("m", tokens)
+        assert rest == [] and same(live(got), live(cache))
+    finally:
+        lru.disk._unlock_dir()
+    lru.disk.close()
+    assert len(entries(tmp_path)) == 1 and len(blocks(tmp_path)) == 200 // SIZE
+
+
+def test_two_replicas_share_one_set_of_block_files(tmp_path):
+    mx.random.seed(3)
+    convs = conversations(2, 400, 30)
+    a = stored(tmp_path, convs[:1])
+    first = {f: os.stat(tmp_path / f).st_ino for f in blocks(tmp_path)}
+    b = stored(tmp_path, convs[1:])  # another process's tier, same directory
+    assert {f: os.stat(tmp_path / f).st_ino for f in blocks(tmp_path)} == first
+    assert len(entries(tmp_path)) == 2
+    a.disk._refresh()
+    for tier, (tokens, cache) in ((a.disk, convs[1]), (b.disk, convs[0])):
+        got, rest = tier.get("m", tokens)  # each the other's entry
+        assert rest == [] and same(live(got), live(cache))
+    a.disk.close()
+    b.disk.close()
+
+
+def test_eviction_never_removes_a_block_an_entry_names(tmp_path):
+    """Under a budget of about three entries, conversations of two prefixes
+    come and go: after every write each entry on disk has all its blocks,
+    no block is on disk that no entry names, and the files fit the budget."""
+    mx.random.seed(4)
+    convs = conversations(4, 256, 100) + conversations(4, 192, 100, first=600)
+    budget = 3 * PER_TOKEN * 400
+    tier = DiskPromptCache(str(tmp_path), budget)
+    for tokens, cache in convs:
+        tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
+        tier.flush()
+        named = set().union(*(tier._refs(e) for e in entries(tmp_path)))
+        assert named == set(blocks(tmp_path))
+        assert dir_bytes(tmp_path) <= budget and tier.nbytes == dir_bytes(tmp_path)
+    assert 1 <= len(entries(tmp_path)) < len(convs)
+    for name in entries(tmp_path):
+        assert tier._load(name) is not None
+    tier.close()
+
+
+def test_a_block_another_replica_removes_meanwhile_is_written_again(
+    tmp_path, monkeypatch
+):
+    """An entry whose block was on disk when its write began, removed (the
+    last entry naming it evicted by a replica) before the entry is renamed
+    in, is written with that block, never without it."""
+    mx.random.seed(5)
+    convs = conversations(2, 256, 20)
+    tier = stored(tmp_path, convs[:1]).disk
+    (first,) = entries(tmp_path)
+    replica = DiskPromptCache(str(tmp_path))
+    temps = DiskPromptCache._block_temps
+
+    def evicted_meanwhile(self, state_blocks):
+        made = temps(self, state_blocks)  # found every block on disk: none made
+        os.remove(tmp_path / first)
+        replica._lock_dir()
+        try:
+            replica._shrink()  # its blocks go with it
+        finally:
+            replica._unlock_dir()
+        assert made == {} and blocks(tmp_path) == []
+        return made
+
+    monkeypatch.setattr(DiskPromptCache, "_block_temps", evicted_meanwhile)
+    tokens, cache = convs[1]
+    tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
+    tier.flush()
+    monkeypatch.undo()
+    assert len(blocks(tmp_path)) == 256 // SIZE
+    got, rest = DiskPromptCache(str(tmp_path)).get("m", tokens)
+    assert rest == [] and same(live(got), live(cache))
+    tier.close()
+    replica.close()
+
+
+def reseal(tier, path, edit):
+    """Rewrite the header of the file ``path`` with ``edit(header)`` applied
+    and its manifest made to match (an attacker can compute it)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    header["__metadata__"]["0.manifest"] = tier._manifest(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def swap_blocks(tier, d):
+    a, b = blocks(d)[:2]
+    os.replace(d / b, d / a)  # a well-formed block under another's name
+
+
+def flip_a_bit(tier, d):
+    path = d / blocks(d)[0]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(tier, d):
+    path = d / blocks(d)[0]
+    os.truncate(path, os.path.getsize(path) - 100)
+
+
+def other_models_blocks(tier, d):
+    """The entry names the blocks another model's entry of the same tokens
+    has in the directory (a sound header, resealed)."""
+    tokens, cache = CASE
+    tier.put("other", tokens, PromptBlocks().share("other", tokens, cache))
+    tier.flush()
+    other = tier._name(tier._model_key("other"), tokens)
+    names = json.loads(tier._read_header(str(d / other), full=True)[1][
+        "__metadata__"]["0.blocks"])["files"]  # fmt: skip
+    os.remove(d / other)
+
+    def edit(header):
+        meta = json.loads(header["__metadata__"]["0.blocks"])
+        meta["files"] = names
+        header["__metadata__"]["0.blocks"] = json.dumps(meta)
+
+    reseal(tier, d / tier._name(tier._model_key("m"), tokens), edit)
+
+
+def another_layout(tier, d):
+    """A block's header resealed to say it holds float16 keys."""
+
+    def edit(header):
+        for k, v in header.items():
+            if k != "__metadata__":
+                v["dtype"] = "F16"
+                v["data_offsets"] = [x // 2 for x in v["data_offsets"]]
+
+    path = d / blocks(d)[0]
+    reseal(tier, path, edit)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    os.truncate(path, 8 + n + (os.path.getsize(path) - 8 - n) // 2)
+
+
+CASE = None
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        swap_blocks,
+        flip_a_bit,
+        truncate,
+        lambda tier, d: os.remove(d / blocks(d)[1]),
+        other_models_blocks,
+        another_layout,
+    ],
+    ids=["swapped", "flipped", "truncated", "missing", "other_model", "other_layout"],
+)
+def test_a_tampered_missing_or_foreign_block_is_a_miss_with_a_warning(
+    tamper, tmp_path, caplog
+):
+    global CASE
+    mx.random.seed(6)
+    CASE = tokens, cache = conversations(1, 200, 10)[0]
+    tier = DiskPromptCache(str(tmp_path))
+    tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
+    tier.flush()
+    tamper(tier, tmp_path)
+    tier.close()
+    tier = DiskPromptCache(str(tmp_path))  # a restart, or a replica
+    with caplog.at_level(logging.WARNING):
+        assert tier.get("m", tokens) is None
+    name = tier._name(tier._model_key("m"), tokens)
+    assert any(name in r.message and "block" in r.message for r in caplog.records)
+    # The tier goes on: the entry written again is served, with its blocks.
+    tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
+    tier.flush()
+    got, rest = DiskPromptCache(str(tmp_path)).get("m", tokens)
+    assert rest == [] and same(live(got), live(cache))
+    tier.close()
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_quantized_caches_and_entries_at_rest_are_blocks_too(bits, tmp_path):
+    """Working caches quantized (``--kv-bits 4``) or entries quantized at
+    rest (``bits=8``): their blocks are block files, and a restart reads
+    the entry back as memory held it."""
+    mx.random.seed(7)
+    convs = conversations(2, 200, 30)
+    if bits is None:
+        convs = [(t, [c.to_quantized(group_size=32, bits=4) for c in cache])
+                 for t, cache in convs]  # fmt: skip
+    lru = stored(tmp_path, convs, bits=bits, group_size=32)
+    assert len(blocks(tmp_path)) == 200 // SIZE and len(entries(tmp_path)) == 2
+    lru.disk.close()
+    again = DiskPromptCache(str(tmp_path))
+    for tokens, _ in convs:
+        got, _ = again.get("m", tokens)
+        want = lru._blocks.assemble(lru._trie.get("m", tokens).prompt_cache)
+        assert [type(c) for c in got] == [QuantizedKVCache] * LAYERS
+        assert same([c.state for c in got], [c.state for c in want])
+    again.close()
+
+
+def test_whole_entry_files_still_load_and_a_newer_format_is_a_miss(tmp_path, caplog):
+    """Format 1 (an entry written whole, no ``0.format``) loads as before; a
+    format this does not read is a miss with a warning, never a guess."""
+    mx.random.seed(8)
+    ((tokens, cache),) = conversations(1, 200, 10, first=7)
+    ((other, cache2),) = conversations(1, 200, 10, first=700)
+    tier = DiskPromptCache(str(tmp_path))
+    tier.put("m", tokens, cache)  # whole layers: format 1
+    tier.put("m", other, PromptBlocks().share("m", other, cache2))
+    tier.flush()
+    whole = tmp_path / tier._name(tier._model_key("m"), tokens)
+    assert "0.format" not in tier._read_header(str(whole), full=True)[1]["__metadata__"]
+    got, _ = DiskPromptCache(str(tmp_path)).get("m", tokens)
+    assert same(live(got), live(cache))
+    name = tier._name(tier._model_key("m"), other)
+    reseal(tier, tmp_path / name, lambda h: h["__metadata__"].update({"0.format": "3"}))
+    with caplog.at_level(logging.WARNING):
+        assert DiskPromptCache(str(tmp_path)).get("m", other) is None
+    assert any(name in r.message and "format '3'" in r.message for r in caplog.records)
+    tier.close()

@@ -371,7 +371,7 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
             row = RotatingKVCache(c.max_size, c.keep, c.slack)
             if c.keys is not None:
                 row.keys, row.values = cls._pack(c, c.keys), cls._pack(c, c.values)
-            row.offset, row._idx = c.offset, c._idx
+            row.offset, row._idx, row.checkpoints = c.offset, c._idx, c.checkpoints
             rows.append(row)
         cache = BatchRotatingKVCache.merge.__func__(cls, rows)
         cache.group_size, cache.bits = group_size, bits
@@ -416,6 +416,7 @@ class _BatchRotatingKVCache:
                 parts = _quantize_update(cache, getattr(self, k), getattr(self, v))
                 setattr(cache, k, cache._pack(parts[0]))
                 setattr(cache, v, cache._pack(parts[1]))
+        self._convert_checkpoints(cache, lambda c: c.to_quantized(group_size, bits))
         return cache
 
 

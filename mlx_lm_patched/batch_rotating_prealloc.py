@@ -44,9 +44,8 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _stored,
     )
 
+
 # Written as it reads in mlx_lm/models/cache.py, and run there.
-
-
 class BatchRotatingKVCache:
     # Ring of ``max_size`` slots. Slots ``[0, keep)`` hold each row's first
     # ``keep`` real tokens (its sinks); slots ``[keep, max_size)`` a window of
@@ -421,7 +420,8 @@ class BatchRotatingKVCache:
     def nbytes(self):
         # The undo ring and checkpoints too: a server's prompt cache budgets by it.
         held = self.keys, self.values, self._undo_keys, self._undo_values
-        return sum(x.nbytes for x in (*held, *self.checkpoints) if x is not None)
+        held += (*self.checkpoints, *(c for r in self.row_checkpoints for c in r))
+        return sum(x.nbytes for x in held if x is not None)
 
     def is_trimmable(self):
         return self._offset < self.max_size - self.keep

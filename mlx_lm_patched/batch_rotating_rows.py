@@ -21,7 +21,10 @@ Rows keep their ``slack`` (``RotatingKVCache(slack=n)``): ``merge`` gives
 the batch the largest of its rows', whose undo ring fills while it decodes,
 and ``extract`` hands each row its evicted tokens, so a row taken out after
 a wrap can be trimmed back (a server's prompt cache reuses it). ``extend``
-resets the undo ring; it fills again over the next decode steps.
+resets the undo ring; it fills again over the next decode steps. Rows keep
+their window checkpoints (``prompt_cache_checkpoints``): those a row brings
+to ``merge`` and those its batch took, which ``extend`` cuts out per row,
+come back out with it from ``extract``; ``to_quantized`` converts them all.
 """
 
 from typing import TYPE_CHECKING
@@ -42,6 +45,11 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 class BatchRotatingKVCache:
+    # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
+    # its own positions (``prompt_cache_checkpoints``); the batch's own,
+    # taken since, are ``checkpoints``. A row takes both out (``extract``).
+    row_checkpoints = ()
+
     def filter(self, batch_indices):
         """
         In-place filter to keep just the given indices in the cache.
@@ -63,6 +71,8 @@ class BatchRotatingKVCache:
         self.left_padding = self.left_padding[batch_indices]
         for c in self.checkpoints:
             c.filter(batch_indices)
+        if self.row_checkpoints:
+            self.row_checkpoints = [self.row_checkpoints[i] for i in rows]
 
     def extend(self, other):
         """
@@ -75,6 +85,9 @@ class BatchRotatingKVCache:
                 f"{(other.max_size, other.keep)}"
             )
         self._fewest = min(self._fewest, other._fewest)
+        # Each row's checkpoints go along (the batch's, cut out per row)
+        rows = self._checkpoints_by_row() + other._checkpoints_by_row()
+        self.row_checkpoints, self.checkpoints = (rows if any(rows) else ()), ()
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -104,8 +117,6 @@ class BatchRotatingKVCache:
         )
         self.offset = mx.concatenate([c.offset for c in caches])
         self.keys, self.values = keys, values
-        for c in self.checkpoints:  # the other rows join them empty
-            c.extend(type(c)(c.max_size, [0] * other.offset.shape[0], c.keep))
         self._offset = max(c._offset for c in caches)
         self._idx = self.keep + n
         self.rotated = False
@@ -149,11 +160,35 @@ class BatchRotatingKVCache:
                 row[..., slots, :] = undo[..., held, :]
                 setattr(cache, name, row)
             cache._lo, cache._hi = (lo, hi) if lo < hi else (0, 0)
-        if self.checkpoints:
-            rows = (c.extract(idx) for c in self.checkpoints)
-            cache.checkpoints = [c for c in rows if cache.keep < c.offset]
-            mx.eval([c.state for c in cache.checkpoints])  # not pinning the batch's
+        cache.checkpoints = self._row_checkpoints(idx, cache.offset)
         return cache
+
+    def _row_checkpoints(self, idx, offset):
+        """Row ``idx``'s checkpoints (it holds ``offset`` tokens): those it
+        brought and the batch's cut out for it, the newest ``max_checkpoints``
+        past its sinks, evaluated (pinning none of the batch's buffers)."""
+        taken = list(self.row_checkpoints[idx]) if self.row_checkpoints else []
+        taken += [c.extract(idx) for c in self.checkpoints]
+        if not taken:
+            return []
+        taken = [c for c in taken if self.keep < c.offset <= offset]
+        taken = sorted(taken, key=lambda c: c.offset)[-self.max_checkpoints :]
+        mx.eval([c.state for c in taken])
+        return taken
+
+    def _convert_checkpoints(self, cache, convert):
+        """``cache``, this batch in another form (``to_quantized``), gets its
+        checkpoints, the batch's and its rows', each ``convert(checkpoint)``."""
+        cache.checkpoints = [convert(c) for c in self.checkpoints]
+        cache.row_checkpoints = [[convert(c) for c in r] for r in self.row_checkpoints]
+
+    def _checkpoints_by_row(self):
+        """``_row_checkpoints`` of every row."""
+        B = self.offset.shape[0]
+        if not (self.checkpoints or self.row_checkpoints):
+            return [[] for _ in range(B)]
+        offsets = self.offset.tolist()
+        return [self._row_checkpoints(b, offsets[b]) for b in range(B)]
 
     @classmethod
     def merge(cls, caches):
@@ -195,6 +230,8 @@ class BatchRotatingKVCache:
         cache._fewest = min(c.offset for c in caches)
         cache._offset = n
         cache._idx = keep + n
+        if any(c.checkpoints for c in caches):  # each row brings its own
+            cache.row_checkpoints = [list(c.checkpoints) for c in caches]
         return cache
 
 

@@ -80,7 +80,17 @@ def prompt_cache_state(
     ``HostPromptCache`` of MLX arrays (bfloat16 viewed as uint16) that any
     thread may copy to host (another thread cannot evaluate them: "There is
     no Stream(cpu, 0) in current thread"). Holding them keeps their buffers
-    from being donated to an update, so they do not change."""
+    from being donated to an update, so they do not change. Rings'
+    checkpoints (``prompt_cache_checkpoints``) follow the layers as caches
+    of their own, the metadata's ``ring_checkpoints`` naming each one's
+    layer and position (``_prompt_cache_from_arrays`` puts them back)."""
+    import json  # local: prompt_cache_dir adds it to the module, later
+
+    held = [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]
+    if held:
+        positions = json.dumps([[i, c.offset] for i, c in held])
+        metadata = {**(metadata or {}), "ring_checkpoints": positions}
+        cache = [*cache, *(c for _, c in held)]
     scalars = [""]  # as in save_prompt_cache
     arrays, dtypes = {}, {}
     for k, data in tree_flatten([c.state for c in cache]):

@@ -27,12 +27,22 @@ ring its checkpoint, a ``KVCache`` a trim) and the request prefills from
 there.
 
 Batched rings take checkpoints at multiples of ``n`` columns of the batch's
-timeline (rows take them at their own positions); ``extract`` hands each row
-its own, ``filter`` keeps them, ``extend`` adds the other rows to them as
-empty rows (a copy of each), and an update with right padding (prompts of
-other lengths prefilled together) gives a row none past its own tokens. Quantized rings,
-single and batched, keep quantized checkpoints. Not kept: the disk tier's
-files, and the checkpoints of rows merged into a batch.
+timeline (rows take them at their own positions), and an update with right
+padding (prompts of other lengths prefilled together) gives a row none past
+its own tokens. Rows keep theirs as they move (``batch_rotating_rows``):
+``merge`` (a server batching fetched caches) keeps each row's in
+``row_checkpoints``, ``extend`` (a batch joining a running one) cuts the
+batch's out per row there, ``filter`` keeps them with their rows, and
+``extract`` hands each row its own, the newest ``max_checkpoints``. Quantized
+rings, single and batched, keep quantized checkpoints; ``to_quantized``
+quantizes a ring's (an entry at rest with ``LRUPromptCache(bits=...)``: 8
+bits 0.53x, 4 bits 0.28x of bfloat16's bytes, head dim 128), and a restore
+dequantizes the one it takes. The disk tier writes them in the entry's file
+(``prompt_cache_state``, ``ring_checkpoints`` in the header), each checked
+against its ring when read (``_prompt_cache_from_arrays``; a file that fails
+is a miss), and serves a longer entry from them (``_disk_restore_point``,
+``_back_to``). An entry counts the checkpoints it shares with another (the
+same objects, through a fetch) again in its bytes.
 """
 
 from typing import TYPE_CHECKING
@@ -46,10 +56,71 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    from .prompt_cache_store import _copy_cache
-
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.
+def _restore_points(cache, length):
+    """Positions every layer of ``cache``, a cache of ``length`` tokens, can
+    go back to: a ring by a checkpoint, or a trim."""
+    found = {c.offset for x in cache for c in getattr(x, "checkpoints", ())}
+    return sorted(
+        p
+        for p in found
+        if all(
+            any(c.offset == p for c in getattr(layer, "checkpoints", ()))
+            or can_trim_prompt_cache([layer], length - p)
+            for layer in cache
+        )
+    )
+
+
+def _back_to(cache, length, at, working=lambda c: c):
+    """``cache``, a cache of ``length`` tokens to change, at ``at`` tokens:
+    trimmed, or each ring that cannot be replaced by ``working(its
+    checkpoint at at)``, which keeps that checkpoint and the older ones (an
+    entry made from it branches back there again); ``None`` where it cannot."""
+    if can_trim_prompt_cache(cache, length - at):
+        trim_prompt_cache(cache, length - at)
+        return cache
+    if at not in _restore_points(cache, length):
+        return None
+    for i, layer in enumerate(cache):
+        held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
+        if at in held:  # a ring of its own: never in its own checkpoints
+            cache[i] = copy.copy(working(held[at]))
+            cache[i].checkpoints = [c for p, c in held.items() if p <= at]
+        else:
+            trim_prompt_cache([layer], length - at)
+    return cache
+
+
+def _disk_restore_point(disk, model, tokens, prefix):
+    """How many tokens of ``disk``'s entry of ``tokens`` (a
+    ``DiskPromptCache``'s) a prompt sharing ``prefix`` of them can reuse:
+    ``prefix`` where it trims back there, else the newest position at or
+    before it where each of its rings has a checkpoint, as its header says
+    (its other layers are taken to trim; a load checks both), or 0."""
+    import json  # local: prompt_cache_dir adds them to the module, later
+    import os
+
+    name = disk._name(model, tokens)
+    if disk._files[name][2] >= len(tokens) - prefix:
+        return prefix
+    try:
+        state = disk._pending.get(name)
+        if state is None:
+            path = os.path.join(disk.directory, name)
+            meta = disk._read_header(path, full=True)[1]["__metadata__"]
+        else:
+            meta = state.metadata
+        found = {}
+        for i, p in json.loads(meta.get("0.ring_checkpoints", "[]")):
+            found.setdefault(i, set()).add(p)
+    except Exception:  # unreadable: none (a load would say why)
+        return 0
+    common = set.intersection(*found.values()) if found else set()
+    return max((p for p in common if p <= prefix), default=0)
+
+
 class RotatingKVCache:
     max_checkpoints = 4
 
@@ -142,39 +213,21 @@ class LRUPromptCache:
         """A working cache from the newest position at or before ``prefix``
         where every layer of the ``length``-token entry has a checkpoint or
         trims to, and that position; ``(None, 0)`` where there is none."""
-        layers = cache_entry.prompt_cache
-        found = {c.offset for x in layers for c in getattr(x, "checkpoints", ())}
-        at = next(
-            (
-                p
-                for p in sorted(found, reverse=True)
-                if p <= prefix
-                and all(
-                    any(c.offset == p for c in getattr(layer, "checkpoints", ()))
-                    or can_trim_prompt_cache([layer], length - p)
-                    for layer in layers
-                )
-            ),
-            0,
-        )
+        points = _restore_points(cache_entry.prompt_cache, length)
+        at = max((p for p in points if p <= prefix), default=0)
         if at == 0:
             return None, 0
         cache = self._working_cache(cache_entry)
-        for i, layer in enumerate(layers):
-            held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
-            if at in held:
-                cache[i] = _copy_cache(held[at], copy.copy)
-                cache[i].checkpoints = [c for p, c in held.items() if p < at]
-            else:
-                trim_prompt_cache([cache[i]], length - at)
-        return cache, at
+        # A checkpoint quantized at rest is dequantized, as the entry is
+        return _back_to(cache, length, at, lambda c: self._working([c])[0]), at
 
 
 PATCH = Patch(
     "prompt_cache_checkpoints",
     "Rings keep window checkpoints; LRUPromptCache restores the nearest one "
     "before a prefix a wrapped ring cannot trim back to",
-    targets("mlx_lm.models.cache:RotatingKVCache", RotatingKVCache)
+    targets("mlx_lm.models.cache", _restore_points, _back_to, _disk_restore_point)
+    + targets("mlx_lm.models.cache:RotatingKVCache", RotatingKVCache)
     + targets("mlx_lm.models.cache:QuantizedRotatingKVCache", QuantizedRotatingKVCache)
     + targets("mlx_lm.models.cache:BatchRotatingKVCache", BatchRotatingKVCache)
     + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),

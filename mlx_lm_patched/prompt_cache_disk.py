@@ -18,14 +18,14 @@ took 1,160 ms when ``put`` copied it itself); a thread copies and writes
 them (a locked temporary file renamed into place). Held, they cannot be
 donated to an update. The queue holds at most ``queue_bytes`` (past it, an
 entry is ``dropped``, warned); ``get`` serves queued entries;
-``close(timeout)`` writes the queue in a bounded time.
-``get`` returns the longest stored prefix of a prompt (or a longer entry
-trimmed to it, as ``LRUPromptCache.fetch_nearest_cache`` does) as a working
-cache, bit for bit, and the tokens left to prefill. It reads the file in
-parallel threads, checking each chunk as it lands (``_read_arrays``), and
-copies each array into MLX while the next are read: a 268 MB entry read
-from the page cache took a median 0.36-0.72 s here, 1.59-1.79 s before
-(2 loaded CPU cores).
+``close(timeout)`` writes the queue in a bounded time. ``get`` returns the
+longest stored prefix of a prompt (or a longer entry trimmed to it, or back
+to its rings' checkpoints, as ``LRUPromptCache.fetch_nearest_cache`` does)
+as a working cache, bit for bit, and the tokens left to prefill. It reads
+the file in parallel threads, checking each chunk as it lands
+(``_read_arrays``), and copies each array into MLX while the next are read:
+a 268 MB entry read from the page cache took a median 0.36-0.72 s here,
+1.59-1.79 s before (2 loaded CPU cores).
 
 An entry is served only if everything that shapes it is verified: its
 manifest digest covers every header field (dtypes, shapes, offsets, tokens,
@@ -40,11 +40,11 @@ that queues every entry it stores for ``disk`` as it stores it (write-behind:
 a server killed a few seconds later keeps it), again when it evicts it
 (``_evict``, ``prompt_cache_store``) if it is not on disk by then (a dropped
 write), and, where memory holds less of a prompt than the disk tier, serves
-it from there, if reading it is expected to be faster than prefilling what
-it saves (measured restores against measured prefills): on a GPU, a
-prefill can beat the disk (issue #27: 0.96 s of prefill against a 3.31 s
-restore of a 16k-token Llama-8B-shape prefix). Each fetch logs which tier
-served how many tokens.
+it from there, if reading it is expected to be faster than prefilling what it
+saves (measured restores against measured prefills): on a GPU, a prefill can
+beat the disk (issue #27: 0.96 s of prefill against a 3.31 s restore of a
+16k-token Llama-8B-shape prefix). Each fetch logs which tier served how many
+tokens.
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -65,9 +65,10 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import time
 
     import mlx.core as mx
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache
 
     from .host_export import prompt_cache_state
+    from .prompt_cache_checkpoints import _back_to, _disk_restore_point
     from .prompt_cache_files import (
         _prompt_cache_from_arrays,
         prompt_cache_layout,
@@ -311,12 +312,10 @@ class DiskPromptCache(PromptBlockDir):
                 if why is not None:
                     logging.warning(f"[prompt cache] skipping {name}: {why}")
                     cache = None
-            if cache is not None and len(stored) > n:
-                if can_trim_prompt_cache(cache, len(stored) - n):
-                    trim_prompt_cache(cache, len(stored) - n)
-                else:
+            if cache is not None and len(stored) > n:  # trimmed, or checkpoints
+                cache = _back_to(cache, len(stored), n)
+                if cache is None:
                     logging.warning(f"[prompt cache] skipping {name}: cannot trim")
-                    cache = None
             with self._lock:
                 if name not in self._files:
                     continue
@@ -347,8 +346,7 @@ class DiskPromptCache(PromptBlockDir):
         prefix = min(len(tokens) - 1, result.common_prefix)
         longer = result.longer
         if longer is not None and result.exact is None and prefix > 0:
-            if self._files[self._name(model, longer)][2] >= len(longer) - prefix:
-                options.append((prefix, longer))
+            options.append((_disk_restore_point(self, model, longer, prefix), longer))
         return options
 
     def flush(self):

@@ -23,7 +23,9 @@ is no state entry: each a ``ValueError`` naming the file, where upstream
 raised ``KeyError``, ``TypeError``, an error naming no file, or nothing.
 ``prompt_cache_mismatch`` says why a cache cannot serve a model (another
 layer count or head layout; ``prompt_cache_layout``), for ``generate
---prompt-cache-file`` and the server's disk tier.
+--prompt-cache-file`` and the server's disk tier. Rings' window checkpoints
+stored after the layers (``ring_checkpoints``, ``prompt_cache_state``) go
+back on their rings, each checked against its ring (``_with_checkpoints``).
 """
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -34,7 +36,7 @@ from mlx.utils import tree_unflatten
 from ._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.models.cache import CacheList, _BaseCache
+    from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
 
     from .rotating_prealloc import _stored
 
@@ -132,7 +134,54 @@ def _prompt_cache_from_arrays(
             cache.append(globals()[c].from_state(s))
         except Exception as e:
             raise ValueError(f"{source}: layer {i} ({c}): {e!r}") from None
+    held = metadata.pop("ring_checkpoints", None)
+    if held is not None:
+        cache = _with_checkpoints(cache, held, source)
     return cache, metadata
+
+
+def _with_checkpoints(cache: List[Any], held: str, source: str) -> List[Any]:
+    """The layers of ``cache`` with the ring checkpoints stored after them
+    (``prompt_cache_state``; ``held``: JSON ``[layer, position]`` of each).
+    One that is not its ring's (another class, size, layout or dtype, a
+    position not in ``(keep, offset]`` or taken twice) is a ``ValueError``
+    naming ``source``."""
+    import json  # local: prompt_cache_dir adds it to the module, later
+
+    try:
+        held = json.loads(held)
+    except ValueError:
+        held = None
+    n = len(cache) - len(held) if isinstance(held, list) else 0
+    if n < 1 or not all(
+        isinstance(x, list) and len(x) == 2 and all(type(y) is int for y in x)
+        for x in held
+    ):
+        raise ValueError(f"{source} has a malformed list of ring checkpoints")
+
+    def kind(c):  # what a checkpoint shares with its ring
+        k = c.keys[0] if isinstance(c.keys, (tuple, list)) else c.keys
+        quantized = (getattr(c, a, None) for a in ("bits", "group_size", "dtype"))
+        layout = prompt_cache_layout([c])
+        return (type(c), c.max_size, c.keep, k.shape[0], k.dtype, *quantized, *layout)
+
+    layers, taken = cache[:n], {}
+    for (i, at), c in zip(held, cache[n:]):
+        ring = layers[i] if 0 <= i < n else None
+        if not (
+            isinstance(ring, RotatingKVCache)
+            and c.offset == at
+            and ring.keep < at <= ring.offset
+            and at not in taken.setdefault(i, {})
+            and kind(c) == kind(ring)
+        ):
+            raise ValueError(
+                f"{source}: checkpoint {at} of layer {i} is not its ring's"
+            )
+        taken[i][at] = c
+    for i, found in taken.items():
+        layers[i].checkpoints = [found[p] for p in sorted(found)]
+    return layers
 
 
 def load_prompt_cache(file_name, return_metadata=False):
@@ -238,6 +287,7 @@ class BatchKVCache:
 _prompt_cache_from_arrays = pasted_into(
     "mlx_lm.models.cache", _prompt_cache_from_arrays
 )
+_with_checkpoints = pasted_into("mlx_lm.models.cache", _with_checkpoints)
 load_prompt_cache = pasted_into("mlx_lm.models.cache", load_prompt_cache)
 prompt_cache_layout = pasted_into("mlx_lm.models.cache", prompt_cache_layout)
 prompt_cache_mismatch = pasted_into("mlx_lm.models.cache", prompt_cache_mismatch)
@@ -249,6 +299,7 @@ PATCH = Patch(
     targets(
         "mlx_lm.models.cache",
         _prompt_cache_from_arrays,
+        _with_checkpoints,
         load_prompt_cache,
         prompt_cache_layout,
         prompt_cache_mismatch,

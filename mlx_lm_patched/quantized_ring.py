@@ -247,6 +247,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             cache._undo_keys, cache._undo_values = undo
         cache.offset, cache._idx = self.offset, self._idx
         cache._lo, cache._hi = self._lo, self._hi
+        cache.checkpoints = self.checkpoints  # quantized: dequantized if restored
         return cache
 
     def make_mask(
@@ -287,6 +288,7 @@ class _RotatingKVCache:
                 undo = _quantize_update(cache, self._undo_keys, self._undo_values)
                 cache._undo_keys, cache._undo_values = undo
                 cache._lo, cache._hi = self._lo, self._hi
+        cache.checkpoints = [c.to_quantized(group_size, bits) for c in self.checkpoints]
         return cache
 
 

@@ -3,6 +3,8 @@
 nearest one where a wrapped entry cannot be trimmed back to a branch."""
 
 import json
+import logging
+import os
 import re
 import socket
 import subprocess
@@ -234,6 +236,28 @@ def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
     assert mx.allclose(logits, fresh, atol=1e-5, rtol=0).item()
 
 
+def test_a_cache_restored_from_a_checkpoint_keeps_it_for_the_next_branch(
+    load_tiny, every
+):
+    """Branching twice from one point (an edit regenerated, then edited
+    again): the cache restored from the checkpoint at 1,024 keeps it, so
+    the entry it makes serves the next branch from there too, with a fresh
+    prefill's logits."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    _, _, store = branch(model, 512)
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    prefill(model, rest, fetched)
+    again = LRUPromptCache()  # only the branch's entry
+    again.insert_cache("m", SECOND, fetched)
+    third = FIRST[:1100] + [(13 * j + 1) % 500 + 10 for j in range(30)]
+    cache, rest = again.fetch_nearest_cache("m", third)
+    assert len(rest) == len(third) - 1024
+    fresh = prefill(model, third, make_prompt_cache(model))
+    got = prefill(model, rest, cache)
+    assert mx.allclose(got, fresh, atol=1e-5, rtol=0).item()
+
+
 def first_logprobs(model, prompts, caches=None, **kwargs):
     """The first prompt's ``BatchGenerator`` response after one token (its
     log-probabilities, cache and tokens), in a batch with the others."""
@@ -346,3 +370,234 @@ def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
     left = second["prompt_tokens"] - cached
     totals = re.findall(r"Prompt processing progress: \d+/(\d+)", log)
     assert totals[-1] == str(left)
+
+
+def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny, every):
+    """``LRUPromptCache(bits=8)`` quantizes the rings' checkpoints with them
+    (fewer bytes than the model's dtype) and still branches from the one at
+    1,024: the logits are, bit for bit, those of an entry of the first 1,024
+    tokens at rest, whose rings hold the same tokens quantized alike."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache)
+    store = LRUPromptCache(bits=8)
+    store.insert_cache("m", FIRST, cache)
+    rings = [c for c in store._trie.get("m", FIRST).prompt_cache if hasattr(c, "bits")]
+    assert len(rings) == sum(isinstance(c, RotatingKVCache) for c in cache)
+    assert all([x.offset for x in c.checkpoints] == [512, 1024] for c in rings)
+    assert all(hasattr(x, "bits") for c in rings for x in c.checkpoints)
+    full = sum(x.nbytes for c in cache for x in getattr(c, "checkpoints", ()))
+    assert 0 < sum(x.nbytes for c in rings for x in c.checkpoints) < 0.7 * full
+    fetched, rest = store.fetch_nearest_cache("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    got = prefill(model, rest, fetched)
+    short = make_prompt_cache(model)
+    prefill(model, FIRST[:1024], short)
+    alike = LRUPromptCache(bits=8)
+    alike.insert_cache("m", FIRST[:1024], short)
+    want = prefill(model, rest, alike.fetch_nearest_cache("m", FIRST[:1024])[0])
+    assert mx.array_equal(got, want).item()
+
+
+def single_rows(kind, lengths, ks, vs, max_size=48):
+    """Rings fed ``lengths`` tokens of the rows of ``ks``/``vs`` in chunks of 64."""
+    rows = []
+    for b, n in enumerate(lengths):
+        r = ring(kind, max_size, 0)
+        feed(
+            r, ks[b : b + 1], vs[b : b + 1], [64] * (n // 64) + [n % 64] * (n % 64 > 0)
+        )
+        rows.append(r)
+    return rows
+
+
+def check_row(kind, row, k, v, max_size=48):
+    """Each of ``row``'s checkpoints is, bit for bit, a ring fed ``k``/``v``
+    that far."""
+    for c in row.checkpoints:
+        alone = ring(kind, max_size, 0)
+        feed(alone, k, v, [c.offset])
+        assert same(temporal(c), temporal(alone))
+
+
+@pytest.mark.parametrize("kind", ["ring", "quantized"])
+def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(every, kind):
+    """Rings merged into a batch (as a server batches fetched caches) get
+    their checkpoints back from ``extract``, with those the batch took
+    since: the newest ``max_checkpoints``, each the single ring fed that
+    row that far. ``filter`` keeps them with their rows, ``nbytes`` counts
+    them."""
+    every(32)
+    mx.random.seed(0)
+    lengths = [150, 100, 0]
+    ks, vs = random_kv(3, H, 300, D)
+    rows = single_rows(kind, lengths, ks, vs)
+    brought = [[c.offset for c in r.checkpoints] for r in rows]
+    assert brought == [[32, 64, 96, 128], [32, 64, 96], []]
+    batch = rows[0].merge(rows)
+    assert batch.nbytes > sum(x.nbytes for r in rows for x in r.checkpoints)
+    order = [1, 0, 2]
+    batch.filter(order)
+    # 60 more tokens a row: the batch's own checkpoints at columns 64 and
+    # 96, where row b (its window ends at column 48) is at 16 and 48 past it.
+    k, v = (
+        mx.concatenate([x[b : b + 1, :, lengths[b] :][..., :60, :] for b in order])
+        for x in (ks, vs)
+    )
+    batch.update_and_fetch(k, v)
+    for row, b in enumerate(order):
+        out = batch.extract(row)
+        want = brought[b] + [lengths[b] + 16, lengths[b] + 48]
+        assert [c.offset for c in out.checkpoints] == want[-4:]
+        check_row(kind, out, ks[b : b + 1], vs[b : b + 1])
+
+
+@pytest.mark.parametrize("kind", ["ring", "quantized"])
+def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
+    """``extend`` (a batch joining another, as ``BatchGenerator`` joins new
+    prompts) and ``to_quantized`` (``--kv-bits`` past its start) keep every
+    row's checkpoints, those it brought and those its batch took."""
+    every(32)
+    mx.random.seed(0)
+    ks, vs = random_kv(4, H, 300, D)
+    first = single_rows(kind, [150, 100], ks, vs)
+    first = first[0].merge(first)
+    k, v = (
+        mx.concatenate([x[b : b + 1, :, n : n + 40] for b, n in ((0, 150), (1, 100))])
+        for x in (ks, vs)
+    )
+    first.update_and_fetch(k, v)
+    second = BatchRotatingKVCache(48, [0, 0])
+    if kind == "quantized":
+        second = second.to_quantized(group_size=32, bits=8)
+    feed(second, ks[2:], vs[2:], [64, 36])
+    before = [
+        [c.offset for c in b.extract(i).checkpoints]
+        for b in (first, second)
+        for i in range(2)
+    ]
+    assert all(before) and before[0] != before[2]
+    first.extend(second)
+    after = [[c.offset for c in first.extract(i).checkpoints] for i in range(4)]
+    assert after == before
+    for i in range(4):
+        check_row(kind, first.extract(i), ks[i : i + 1], vs[i : i + 1])
+    if kind == "ring":
+        quantized = first.to_quantized(group_size=32, bits=8)
+        got = [quantized.extract(i).checkpoints for i in range(4)]
+        assert [[c.offset for c in r] for r in got] == before
+        assert all(hasattr(c, "bits") for r in got for c in r)
+
+
+def on_disk(model, directory):
+    """The cache of ``FIRST`` (checkpoints at 512 and 1,024), written by a
+    disk tier in ``directory``, closed; the cache and the file's path."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    cache = make_prompt_cache(model)
+    prefill(model, FIRST, cache)
+    tier = DiskPromptCache(str(directory))
+    tier.put("m", FIRST, cache)
+    tier.close()
+    (name,) = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    return cache, directory / name
+
+
+def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
+    load_tiny, every, tmp_path
+):
+    """A disk tier writes the rings' checkpoints in the entry's file: read
+    back by another tier on the directory (a restarted server), the branch
+    prefills the 216 tokens past the one at 1,024 with a fresh prefill's
+    logits (within 1e-5), keeping both, and the whole entry has both, bit
+    for bit."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache, _ = on_disk(model, tmp_path)
+    fresh = prefill(model, SECOND, make_prompt_cache(model))
+    tier = DiskPromptCache(str(tmp_path))
+    fetched, rest = tier.get("m", SECOND)
+    assert len(rest) == 1240 - 1024
+    rings = [i for i, c in enumerate(cache) if isinstance(c, RotatingKVCache)]
+    # The restored ring keeps the checkpoint it is (a copy of it: no cycle)
+    assert all([c.offset for c in fetched[i].checkpoints] == [512, 1024] for i in rings)
+    assert sum(c.nbytes for c in fetched) > sum(c.nbytes for c in cache) / 2
+    assert mx.allclose(prefill(model, rest, fetched), fresh, atol=1e-5, rtol=0).item()
+    whole, rest = tier.get("m", FIRST + [5])
+    assert rest == [5]
+    for i in rings:
+        pairs = list(zip(whole[i].checkpoints, cache[i].checkpoints))
+        assert len(pairs) == 2
+        assert all(same(temporal(a), temporal(b)) for a, b in pairs)
+
+
+def test_an_entry_written_without_checkpoints_still_loads(load_tiny, every, tmp_path):
+    """A file as the disk tier wrote it before checkpoints were kept (no
+    ``ring_checkpoints`` in its header) is served as before: the whole
+    prompt, and no branch past the window."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    _, path = on_disk(model, tmp_path)
+    assert "0.ring_checkpoints" not in read_header(path)[0]["__metadata__"]
+    tier = DiskPromptCache(str(tmp_path))
+    assert tier.get("m", FIRST + [5])[1] == [5]
+    assert tier.get("m", SECOND) is None
+
+
+def read_header(path):
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def swap_positions(header, layers):
+    """The first ring's two checkpoints claim each other's positions."""
+    meta = header["__metadata__"]
+    held = json.loads(meta["0.ring_checkpoints"])
+    held[0][1], held[1][1] = held[1][1], held[0][1]
+    meta["0.ring_checkpoints"] = json.dumps(held)
+
+
+def given_to_full_attention(header, layers):
+    """A checkpoint claimed by a layer that is no ring."""
+    meta = header["__metadata__"]
+    held = json.loads(meta["0.ring_checkpoints"])
+    held[0][0] = next(i for i, c in enumerate(layers) if not hasattr(c, "max_size"))
+    meta["0.ring_checkpoints"] = json.dumps(held)
+
+
+@pytest.mark.parametrize("edit", [swap_positions, given_to_full_attention, None])
+def test_a_tampered_checkpoint_is_a_miss_never_a_wrong_cache(
+    load_tiny, every, tmp_path, caplog, edit
+):
+    """A file whose checkpoints were edited, its header resealed (manifest
+    recomputed: a crafted file), or one of whose checkpoint bytes flipped
+    (``None``), is skipped with a warning: no cache is served, neither a
+    branch nor the whole prompt."""
+    from mlx_lm.models.cache import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    every(512)
+    cache, path = on_disk(model, tmp_path)
+    header, body = read_header(path)
+    if edit is None:  # a byte of the last array, a checkpoint's
+        last = max(
+            (v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+        )
+        body = bytearray(body)
+        body[last[0] + 1] ^= 0x40
+    else:
+        edit(header, cache)
+        header["__metadata__"]["0.manifest"] = DiskPromptCache._manifest(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(body))
+    caplog.set_level(logging.WARNING)
+    tier = DiskPromptCache(str(tmp_path))
+    assert len(tier) == 1  # indexed: its header is sound
+    assert tier.get("m", SECOND) is None
+    assert tier.get("m", FIRST + [5]) is None  # not even the whole prompt
+    assert f"skipping {path}" in caplog.text

@@ -11,7 +11,8 @@ logits after prefilling them are from a fresh prefill of the second prompt
 without checkpoints (median of ``--rounds``, taking turns) on the tiny
 model and on a cache-only stack (``--layers`` rings of ``--ring`` slots, 8
 KV heads of 128, float16, ``--tokens`` in 2048-token chunks: the window
-copies alone, no model), and the bytes the checkpoints hold.
+copies alone, no model), and the bytes the checkpoints hold, also in an
+entry kept at rest at 8 and 4 bits (``LRUPromptCache(bits=...)``).
 
     python -m mlx_lm_patched.bench.checkpoints [--rounds 5] [--out checkpoints.json]
 """
@@ -128,6 +129,21 @@ def main(argv=None):
         )
 
     result["stack_prefill_s"] = timed(stack_prefill, sides, args.rounds)
+    every(args.every)
+    rings = [RotatingKVCache(args.ring) for _ in range(args.layers)]
+    for _ in range(args.tokens // 2048):
+        for c in rings:
+            c.update_and_fetch(chunk, chunk)
+    mx.eval([c.keys for c in rings])
+    every(0)
+    # The stack's checkpoints in an entry at rest: as they are, and quantized
+    tokens = list(range(args.tokens))
+    for bits in (None, 8, 4):
+        store = LRUPromptCache(bits=bits)
+        store.insert_cache("m", tokens, rings)
+        entry = store._trie.get("m", tokens).prompt_cache
+        held = sum(x.nbytes for c in entry for x in c.checkpoints)
+        result[f"stack_checkpoint_bytes_at_rest_{bits or 16}_bits"] = held
     emit(result, args.out)
     return result
 

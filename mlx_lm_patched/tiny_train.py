@@ -134,9 +134,13 @@ def loss_and_grads(params, config, inputs, targets):
         k = _rope(k.transpose(0, 2, 1, 3), cos, sin)
         v = v.transpose(0, 2, 1, 3)
         kr, vr = np.repeat(k, group, 1), np.repeat(v, group, 1)
-        s = q @ kr.transpose(0, 1, 3, 2) * scale + masks[kind]
-        s = np.exp(s - s.max(-1, keepdims=True))
-        pr = s / s.sum(-1, keepdims=True)
+        # Softmax in place: these (batch, heads, length, length) arrays are
+        # the largest of a layer.
+        pr = (q * scale) @ kr.transpose(0, 1, 3, 2)
+        pr += masks[kind]
+        pr -= pr.max(-1, keepdims=True)
+        np.exp(pr, out=pr)
+        pr /= pr.sum(-1, keepdims=True)
         o = (pr @ vr).transpose(0, 2, 1, 3).reshape(b, t, nh * d)
         x1 = x + o @ params[p + "self_attn.o_proj.weight"].T
         m, rm = _norm(x1, params[p + "post_attention_layernorm.weight"], eps)
@@ -148,15 +152,16 @@ def loss_and_grads(params, config, inputs, targets):
         saved.append((x, a, ra, q, kr, vr, pr, o, x1, m, rm, g, u, sg, hid))
         x = x2
     f, rf = _norm(x, params["model.norm.weight"], eps)
-    logits = f @ params["lm_head.weight"].T
-    logits -= logits.max(-1, keepdims=True)
-    e = np.exp(logits)
-    z = e.sum(-1, keepdims=True)
-    picked = np.take_along_axis(logits, targets[..., None], -1)
+    # The cross-entropy and its gradient, softmax(logits) - onehot, in place.
+    dl = f @ params["lm_head.weight"].T
+    dl -= dl.max(-1, keepdims=True)
+    picked = np.take_along_axis(dl, targets[..., None], -1)
+    np.exp(dl, out=dl)
+    z = dl.sum(-1, keepdims=True)
     loss = float((np.log(z) - picked).mean())
 
     grads = {}
-    dl = e / z
+    dl /= z
     np.put_along_axis(
         dl, targets[..., None], np.take_along_axis(dl, targets[..., None], -1) - 1, -1
     )
@@ -196,10 +201,11 @@ def loss_and_grads(params, config, inputs, targets):
             .transpose(0, 2, 1, 3)
         )
         dvr = pr.transpose(0, 1, 3, 2) @ do
-        dp = do @ vr.transpose(0, 1, 3, 2)
-        ds = pr * (dp - (dp * pr).sum(-1, keepdims=True)) * scale
-        dq = ds @ kr
-        dkr = ds.transpose(0, 1, 3, 2) @ q
+        ds = do @ vr.transpose(0, 1, 3, 2)
+        ds -= (ds * pr).sum(-1, keepdims=True)
+        ds *= pr
+        dq = (ds @ kr) * scale
+        dkr = ds.transpose(0, 1, 3, 2) @ (q * scale)
         dk = dkr.reshape(b, nkv, group, t, d).sum(2)
         dv = dvr.reshape(b, nkv, group, t, d).sum(2)
         dq = _rope(dq, cos, sin, -1).transpose(0, 2, 1, 3).reshape(b, t, nh * d)

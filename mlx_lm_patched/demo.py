@@ -15,7 +15,6 @@ import warnings
 from collections import Counter
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
@@ -23,6 +22,7 @@ from mlx_lm.utils import load
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny, tiny_train
+from mlx_lm_patched.bench.memory import pointer
 
 
 def printable(text: str) -> str:
@@ -47,18 +47,19 @@ def prompt_text(tokenizer, n):
 
 
 def buffers(keys):
-    """Address and shape of each array behind a cache's ``keys``."""
+    """Shape and address of each array behind a cache's ``keys``."""
     arrays = keys if isinstance(keys, (tuple, list)) else [keys]
-    return [
-        (np.frombuffer(memoryview(a), np.uint8).ctypes.data, a.shape) for a in arrays
-    ]
+    return [(a.shape, pointer(a)) for a in arrays]
 
 
 def run(model, prompt, args, max_kv_size):
     """Greedy tokens, peak memory of prefill and of decode, final cache bytes,
-    and how often a layer's ``keys`` moved to another buffer or changed shape
-    between two prompt chunks or two decode steps (first allocation not
-    counted). Only addresses are kept, so no buffer outlives its use."""
+    and reallocations counted as ``bench memory`` counts them: a layer's
+    ``keys`` changing shape after a prompt chunk, or changing shape or buffer
+    after a decode step (first allocation not counted). A chunk past a full
+    ring leaves a new ring of the same shape, upstream's as the patched
+    one's: not counted, and the output says so. Only addresses are kept, so
+    no buffer outlives its use."""
     cache = cache_module.make_prompt_cache(model, max_kv_size)
     last = [None] * len(cache)
     moves = Counter()
@@ -67,7 +68,10 @@ def run(model, prompt, args, max_kv_size):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
             now = None if keys is None else buffers(keys)
-            moves[phase, type(c).__name__] += last[i] is not None and now != last[i]
+            if last[i] is not None and now != last[i]:
+                shapes = [shape for shape, _ in now or []]
+                moved = phase == "decode" or shapes != [s for s, _ in last[i]]
+                moves[phase, type(c).__name__] += moved
             last[i] = now
 
     mx.clear_cache()
@@ -184,10 +188,11 @@ def main(argv=None):
         f"- --max-kv-size {size}: the cache ends at {kb(bounded[1]['nbytes'])}; "
         f"upstream ignores the flag for this model ({kb(bounded[0]['nbytes'])}, growing)"
     )
+    own_caches = cache_module.make_prompt_cache(model)
     layers = ", ".join(
         f"{i}: {type(c).__name__}"
         + (f"({c.max_size})" if hasattr(c, "max_size") else "")
-        for i, c in enumerate(cache_module.make_prompt_cache(model))
+        for i, c in enumerate(own_caches)
     )
     print(f"\nModel: {path} ({len(model.layers)} layers; caches {layers})")
     print(
@@ -213,16 +218,22 @@ def main(argv=None):
     for label, cell in rows:
         a, b, c, d = (cell(r) for r in own + bounded)
         print(f"{label:<38}{a:>10}{b:>10}{c:>12}{d:>10}")
+    window = min(getattr(c, "max_size", prompt.size) for c in own_caches)
+    step = args.prefill_step_size
+    ends = range(step, prompt.size - 1 + step, step)
+    past = sum(min(end, prompt.size - 1) > window for end in ends)
     print(f"{'tokens':<38}{agreement(*[r['tokens'] for r in own]):>20}", end="")
     print(f"{agreement(*[r['tokens'] for r in bounded]):>22}")
     print(
         "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
         "attention the keys, values and masks upstream's does, from a buffer written\n"
         "in place by every decode step and by the chunks that fill it (upstream's\n"
-        "ring grows by concatenating). A chunk past a full ring is attended over the\n"
-        "ring plus the chunk and leaves a new ring, patched as upstream: writing into\n"
-        "the old one would need a sync inside the model. (A reallocation is a layer's\n"
-        "keys changing buffer or shape; a new buffer at a freed address goes unseen.)\n"
+        "ring grows by concatenating). A reallocation is a layer's keys changing\n"
+        "shape after a prompt chunk, or shape or buffer after a decode step (as\n"
+        f"bench memory counts them). Not counted: {past} of the prompt's chunks ran past\n"
+        f"the full {window}-token ring, and each left a new ring of the same shape,\n"
+        "patched as upstream (writing into the old one would need a sync inside the\n"
+        "model).\n"
         f"--max-kv-size {size}: upstream ignores it for models that make their own\n"
         f"cache, so its KVCache grows; patched, layer 1 becomes RotatingKVCache({size},\n"
         "keep=4), which forgets the middle of the context, so its tokens may differ.\n"

@@ -5,6 +5,9 @@ trained on the standard library, ``tiny_train``: a sliding-window layer, so a
 ``RotatingKVCache``, and a full one, a ``KVCache``), then the same greedy
 generation in-process with the patches reverted and applied, and prints peak
 memory, cache bytes, cache buffer reallocations and whether the tokens match.
+Both in-process sides decode greedily with mlx-lm's repetition penalty (1.1 by
+default, ``--repetition-penalty 1`` for none): plain greedy decoding repeats
+itself within a few lines on a model this small.
 """
 
 import argparse
@@ -18,6 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load
 
 import mlx_lm_patched
@@ -83,8 +87,14 @@ def run(model, prompt, args, max_kv_size):
         observe("prompt")
     tokens, peaks = [], [mx.get_peak_memory()]
     mx.reset_peak_memory()
+    penalty = args.repetition_penalty
+    processors = make_logits_processors(repetition_penalty=penalty)
     for token, _ in generate_step(
-        prompt[-1:], model, max_tokens=args.max_tokens, prompt_cache=cache
+        prompt[-1:],
+        model,
+        max_tokens=args.max_tokens,
+        prompt_cache=cache,
+        logits_processors=processors,
     ):
         tokens.append(token)
         observe("decode")
@@ -128,7 +138,7 @@ def kb(n):
 
 
 def cli_run(path, text, args):
-    """``python -m mlx_lm_patched.generate`` on the prompt: its output lines."""
+    """``python -m mlx_lm_patched.generate`` on the prompt: its statistics."""
     flags = ["--max-tokens", str(args.max_tokens)]
     flags += ["--prefill-step-size", str(args.prefill_step_size)]
     print(
@@ -141,17 +151,18 @@ def cli_run(path, text, args):
     if done.returncode:
         print(done.stderr, file=sys.stderr)
         sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
-    _, answer, stats = done.stdout.split("==========\n")
-    tail = text.splitlines()[-2:]
-    # mlx-lm's detokenizer drops the space the first generated token starts with.
-    answer = printable(answer).rstrip()
-    answer = answer if answer[:1].isspace() else " " + answer
-    lines = (tail[0] + "\n" + tail[1] + answer).splitlines()
-    for line in lines[:8]:
-        print(f"  | {line}")
-    if len(lines) > 8:
-        print(f"  | ... ({len(lines) - 8} more lines)")
+    stats = done.stdout.split("==========\n")[-1]
     print("  " + "; ".join(stats.strip().splitlines()[:3]))
+
+
+def show(text, answer, shown=16):
+    """The prompt's last two lines and the ``answer``, ``shown`` lines at most."""
+    tail = text.splitlines()[-2:]
+    lines = (tail[0] + "\n" + tail[1] + printable(answer).rstrip()).splitlines()
+    for line in lines[:shown]:
+        print(f"  | {line}")
+    if len(lines) > shown:
+        print(f"  | ... ({len(lines) - shown} more lines)")
 
 
 def main(argv=None):
@@ -164,6 +175,13 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-kv-size", type=int, default=128)
     parser.add_argument("--prefill-step-size", type=int, default=32)
+    # Plain greedy repeats itself within a few lines on a model this small.
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.1,
+        help="mlx-lm's repetition penalty, upstream and patched alike (1: none)",
+    )
     args = parser.parse_args(argv)
 
     path = str(args.model or tiny.demo_model_dir())
@@ -178,7 +196,9 @@ def main(argv=None):
     n, size = args.max_tokens, args.max_kv_size
     same = own[0]["tokens"] == own[1]["tokens"]
 
-    print("mlx-lm-patched demo: greedy generation, patched next to upstream mlx-lm")
+    penalty = args.repetition_penalty
+    how = "greedy" + (f", repetition penalty {penalty}" if penalty != 1 else "")
+    print(f"mlx-lm-patched demo: {how}; patched next to upstream mlx-lm")
     print(
         f"- the model's own caches: {'the same' if same else 'DIFFERENT'} {n} tokens; "
         f"the ring reallocated {own[1]['moves']['decode', ring]} times while "
@@ -200,10 +220,13 @@ def main(argv=None):
         "training, ending in 'def'\n"
     )
     cli_run(path, text, args)
+    answer = tokenizer.decode(prompt.tolist() + own[1]["tokens"])
+    print(f"\nThe text of the runs below ({how}, upstream and patched alike):")
+    if penalty != 1:
+        print("(the command line has no penalty: plain greedy repeats itself sooner)")
+    show(text, answer[len(tokenizer.decode(prompt.tolist())) :])
 
-    print(
-        f"\nIn-process, the same greedy generation (prompt in chunks of {args.prefill_step_size}):"
-    )
+    print(f"\nIn-process, {how} (prompt in chunks of {args.prefill_step_size}):")
     print(f"{'':<38}{'model caches':>20}{f'--max-kv-size {size}':>22}")
     print(f"{'':<38}{'upstream':>10}{'patched':>10}{'upstream':>12}{'patched':>10}")
     rows = [

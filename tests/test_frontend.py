@@ -191,7 +191,11 @@ def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
     args += ["--max-tokens", "40", "--prefill-step-size", "16", "--max-kv-size", "48"]
     out = python("-m", "mlx_lm_patched.demo", *args).stdout
     lines = out.splitlines()
-    assert lines[0].startswith("mlx-lm-patched demo:")
+    # Both sides decode with the same repetition penalty, and the demo says so.
+    assert lines[0] == (
+        "mlx-lm-patched demo: greedy, repetition penalty 1.1; "
+        "patched next to upstream mlx-lm"
+    )
     assert lines[1].startswith("- the model's own caches: the same 40 tokens")
     assert "Generation: 40 tokens" in out
     assert "identical (40 of 40)" in out

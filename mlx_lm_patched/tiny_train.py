@@ -34,12 +34,11 @@ CONFIG = {
     "sliding_window": 64,
     "layer_types": ["sliding_attention", "full_attention"],
 }
-# Batches of 4 (a step about 0.1 s on one core): under 3 minutes in all, and
-# greedy output that writes whole methods, where batches of 8 for the same
-# time repeat one name inside a call (held-out loss within 1%).
+# 740 steps of 8 windows (a step about 0.17 s on one core): 2 minutes or so
+# in all. Batches of 4 for the same time learn less (held-out loss 1% higher).
 RECIPE = {
-    "steps": 1200,
-    "batch": 4,
+    "steps": 740,
+    "batch": 8,
     "length": 256,
     "lr": 5e-3,
     "lr_end": 0.0,

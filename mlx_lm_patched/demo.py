@@ -5,7 +5,7 @@ trained on the standard library, ``tiny_train``: a sliding-window layer, so a
 ``RotatingKVCache``, and a full one, a ``KVCache``), then the same greedy
 generation in-process with the patches reverted and applied, and prints peak
 memory, cache bytes, cache buffer reallocations and whether the tokens match.
-Both in-process sides decode greedily with mlx-lm's repetition penalty (1.1 by
+Both in-process sides decode greedily with mlx-lm's repetition penalty (1.2 by
 default, ``--repetition-penalty 1`` for none): plain greedy decoding repeats
 itself within a few lines on a model this small.
 """
@@ -179,7 +179,7 @@ def main(argv=None):
     parser.add_argument(
         "--repetition-penalty",
         type=float,
-        default=1.1,
+        default=1.2,
         help="mlx-lm's repetition penalty, upstream and patched alike (1: none)",
     )
     args = parser.parse_args(argv)

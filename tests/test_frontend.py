@@ -193,7 +193,7 @@ def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
     lines = out.splitlines()
     # Both sides decode with the same repetition penalty, and the demo says so.
     assert lines[0] == (
-        "mlx-lm-patched demo: greedy, repetition penalty 1.1; "
+        "mlx-lm-patched demo: greedy, repetition penalty 1.2; "
         "patched next to upstream mlx-lm"
     )
     assert lines[1].startswith("- the model's own caches: the same 40 tokens")

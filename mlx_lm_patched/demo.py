@@ -5,6 +5,9 @@ trained on the standard library, ``tiny_train``: a sliding-window layer, so a
 ``RotatingKVCache``, and a full one, a ``KVCache``), then the same greedy
 generation in-process with the patches reverted and applied, and prints peak
 memory, cache bytes, cache buffer reallocations and whether the tokens match.
+Both in-process sides decode greedily with mlx-lm's repetition penalty (1.2 by
+default, ``--repetition-penalty 1`` for none): plain greedy decoding repeats
+itself within a few lines on a model this small.
 """
 
 import argparse
@@ -15,14 +18,15 @@ import warnings
 from collections import Counter
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_module
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load
 
 import mlx_lm_patched
 from mlx_lm_patched import tiny, tiny_train
+from mlx_lm_patched.bench.memory import pointer
 
 
 def printable(text: str) -> str:
@@ -47,18 +51,19 @@ def prompt_text(tokenizer, n):
 
 
 def buffers(keys):
-    """Address and shape of each array behind a cache's ``keys``."""
+    """Shape and address of each array behind a cache's ``keys``."""
     arrays = keys if isinstance(keys, (tuple, list)) else [keys]
-    return [
-        (np.frombuffer(memoryview(a), np.uint8).ctypes.data, a.shape) for a in arrays
-    ]
+    return [(a.shape, pointer(a)) for a in arrays]
 
 
 def run(model, prompt, args, max_kv_size):
     """Greedy tokens, peak memory of prefill and of decode, final cache bytes,
-    and how often a layer's ``keys`` moved to another buffer or changed shape
-    between two prompt chunks or two decode steps (first allocation not
-    counted). Only addresses are kept, so no buffer outlives its use."""
+    and reallocations counted as ``bench memory`` counts them: a layer's
+    ``keys`` changing shape after a prompt chunk, or changing shape or buffer
+    after a decode step (first allocation not counted). A chunk past a full
+    ring leaves a new ring of the same shape, upstream's as the patched
+    one's: not counted, and the output says so. Only addresses are kept, so
+    no buffer outlives its use."""
     cache = cache_module.make_prompt_cache(model, max_kv_size)
     last = [None] * len(cache)
     moves = Counter()
@@ -67,7 +72,10 @@ def run(model, prompt, args, max_kv_size):
         for i, c in enumerate(cache):
             keys = getattr(c, "keys", None)
             now = None if keys is None else buffers(keys)
-            moves[phase, type(c).__name__] += last[i] is not None and now != last[i]
+            if last[i] is not None and now != last[i]:
+                shapes = [shape for shape, _ in now or []]
+                moved = phase == "decode" or shapes != [s for s, _ in last[i]]
+                moves[phase, type(c).__name__] += moved
             last[i] = now
 
     mx.clear_cache()
@@ -79,8 +87,14 @@ def run(model, prompt, args, max_kv_size):
         observe("prompt")
     tokens, peaks = [], [mx.get_peak_memory()]
     mx.reset_peak_memory()
+    penalty = args.repetition_penalty
+    processors = make_logits_processors(repetition_penalty=penalty)
     for token, _ in generate_step(
-        prompt[-1:], model, max_tokens=args.max_tokens, prompt_cache=cache
+        prompt[-1:],
+        model,
+        max_tokens=args.max_tokens,
+        prompt_cache=cache,
+        logits_processors=processors,
     ):
         tokens.append(token)
         observe("decode")
@@ -124,7 +138,7 @@ def kb(n):
 
 
 def cli_run(path, text, args):
-    """``python -m mlx_lm_patched.generate`` on the prompt: its output lines."""
+    """``python -m mlx_lm_patched.generate`` on the prompt: its statistics."""
     flags = ["--max-tokens", str(args.max_tokens)]
     flags += ["--prefill-step-size", str(args.prefill_step_size)]
     print(
@@ -137,17 +151,18 @@ def cli_run(path, text, args):
     if done.returncode:
         print(done.stderr, file=sys.stderr)
         sys.exit(f"mlx_lm_patched.generate failed with exit status {done.returncode}")
-    _, answer, stats = done.stdout.split("==========\n")
-    tail = text.splitlines()[-2:]
-    # mlx-lm's detokenizer drops the space the first generated token starts with.
-    answer = printable(answer).rstrip()
-    answer = answer if answer[:1].isspace() else " " + answer
-    lines = (tail[0] + "\n" + tail[1] + answer).splitlines()
-    for line in lines[:8]:
-        print(f"  | {line}")
-    if len(lines) > 8:
-        print(f"  | ... ({len(lines) - 8} more lines)")
+    stats = done.stdout.split("==========\n")[-1]
     print("  " + "; ".join(stats.strip().splitlines()[:3]))
+
+
+def show(text, answer, shown=16):
+    """The prompt's last two lines and the ``answer``, ``shown`` lines at most."""
+    tail = text.splitlines()[-2:]
+    lines = (tail[0] + "\n" + tail[1] + printable(answer).rstrip()).splitlines()
+    for line in lines[:shown]:
+        print(f"  | {line}")
+    if len(lines) > shown:
+        print(f"  | ... ({len(lines) - shown} more lines)")
 
 
 def main(argv=None):
@@ -160,6 +175,13 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-kv-size", type=int, default=128)
     parser.add_argument("--prefill-step-size", type=int, default=32)
+    # Plain greedy repeats itself within a few lines on a model this small.
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.2,
+        help="mlx-lm's repetition penalty, upstream and patched alike (1: none)",
+    )
     args = parser.parse_args(argv)
 
     path = str(args.model or tiny.demo_model_dir())
@@ -174,7 +196,9 @@ def main(argv=None):
     n, size = args.max_tokens, args.max_kv_size
     same = own[0]["tokens"] == own[1]["tokens"]
 
-    print("mlx-lm-patched demo: greedy generation, patched next to upstream mlx-lm")
+    penalty = args.repetition_penalty
+    how = "greedy" + (f", repetition penalty {penalty}" if penalty != 1 else "")
+    print(f"mlx-lm-patched demo: {how}; patched next to upstream mlx-lm")
     print(
         f"- the model's own caches: {'the same' if same else 'DIFFERENT'} {n} tokens; "
         f"the ring reallocated {own[1]['moves']['decode', ring]} times while "
@@ -184,10 +208,11 @@ def main(argv=None):
         f"- --max-kv-size {size}: the cache ends at {kb(bounded[1]['nbytes'])}; "
         f"upstream ignores the flag for this model ({kb(bounded[0]['nbytes'])}, growing)"
     )
+    own_caches = cache_module.make_prompt_cache(model)
     layers = ", ".join(
         f"{i}: {type(c).__name__}"
         + (f"({c.max_size})" if hasattr(c, "max_size") else "")
-        for i, c in enumerate(cache_module.make_prompt_cache(model))
+        for i, c in enumerate(own_caches)
     )
     print(f"\nModel: {path} ({len(model.layers)} layers; caches {layers})")
     print(
@@ -195,10 +220,13 @@ def main(argv=None):
         "training, ending in 'def'\n"
     )
     cli_run(path, text, args)
+    answer = tokenizer.decode(prompt.tolist() + own[1]["tokens"])
+    print(f"\nThe text of the runs below ({how}, upstream and patched alike):")
+    if penalty != 1:
+        print("(the command line has no penalty: plain greedy repeats itself sooner)")
+    show(text, answer[len(tokenizer.decode(prompt.tolist())) :])
 
-    print(
-        f"\nIn-process, the same greedy generation (prompt in chunks of {args.prefill_step_size}):"
-    )
+    print(f"\nIn-process, {how} (prompt in chunks of {args.prefill_step_size}):")
     print(f"{'':<38}{'model caches':>20}{f'--max-kv-size {size}':>22}")
     print(f"{'':<38}{'upstream':>10}{'patched':>10}{'upstream':>12}{'patched':>10}")
     rows = [
@@ -213,16 +241,22 @@ def main(argv=None):
     for label, cell in rows:
         a, b, c, d = (cell(r) for r in own + bounded)
         print(f"{label:<38}{a:>10}{b:>10}{c:>12}{d:>10}")
+    window = min(getattr(c, "max_size", prompt.size) for c in own_caches)
+    step = args.prefill_step_size
+    ends = range(step, prompt.size - 1 + step, step)
+    past = sum(min(end, prompt.size - 1) > window for end in ends)
     print(f"{'tokens':<38}{agreement(*[r['tokens'] for r in own]):>20}", end="")
     print(f"{agreement(*[r['tokens'] for r in bounded]):>22}")
     print(
         "\nModel caches: the tokens must be identical, and are: the patched ring gives\n"
         "attention the keys, values and masks upstream's does, from a buffer written\n"
         "in place by every decode step and by the chunks that fill it (upstream's\n"
-        "ring grows by concatenating). A chunk past a full ring is attended over the\n"
-        "ring plus the chunk and leaves a new ring, patched as upstream: writing into\n"
-        "the old one would need a sync inside the model. (A reallocation is a layer's\n"
-        "keys changing buffer or shape; a new buffer at a freed address goes unseen.)\n"
+        "ring grows by concatenating). A reallocation is a layer's keys changing\n"
+        "shape after a prompt chunk, or shape or buffer after a decode step (as\n"
+        f"bench memory counts them). Not counted: {past} of the prompt's chunks ran past\n"
+        f"the full {window}-token ring, and each left a new ring of the same shape,\n"
+        "patched as upstream (writing into the old one would need a sync inside the\n"
+        "model).\n"
         f"--max-kv-size {size}: upstream ignores it for models that make their own\n"
         f"cache, so its KVCache grows; patched, layer 1 becomes RotatingKVCache({size},\n"
         "keep=4), which forgets the middle of the context, so its tokens may differ.\n"

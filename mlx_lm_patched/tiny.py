@@ -208,7 +208,7 @@ def home() -> Path:
 def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
     """The demo model: a small llama with sliding and full layers trained on
     the standard library's sources (``tiny_train``), trained once in a
-    subprocess (a minute or two on two cores) and reused while its stamp
+    subprocess (about two CPU-minutes, one core) and reused while its stamp
     (``tiny_train.stamp()``: config, recipe, the trainer's source, Python's
     and the libraries' versions) stays the same. By default it lives in
     ``home()/demo-model-<digest of the stamp>``: each trainer finds its own

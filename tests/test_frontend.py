@@ -184,15 +184,30 @@ def test_generate_front_runs_without_warnings():
 
 
 def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
+    """The demo finds the same tokens, and counts reallocations by shape
+    while prefilling: the patched ring none, upstream's growing ring some,
+    and the chunks past the full ring said, not counted."""
     args = ["--model", str(tiny_model_dir), "--prompt-tokens", "100"]
     args += ["--max-tokens", "40", "--prefill-step-size", "16", "--max-kv-size", "48"]
     out = python("-m", "mlx_lm_patched.demo", *args).stdout
     lines = out.splitlines()
-    assert lines[0].startswith("mlx-lm-patched demo:")
+    # Both sides decode with the same repetition penalty, and the demo says so.
+    assert lines[0] == (
+        "mlx-lm-patched demo: greedy, repetition penalty 1.2; "
+        "patched next to upstream mlx-lm"
+    )
     assert lines[1].startswith("- the model's own caches: the same 40 tokens")
     assert "Generation: 40 tokens" in out
-    assert "reallocations, decode, RotatingKVCache" in out
     assert "identical (40 of 40)" in out
+    counts = {
+        line[:38].strip(): [int(n) for n in line[38:].split()]
+        for line in lines
+        if line.startswith("reallocations, ")
+    }
+    upstream, patched, _, _ = counts["reallocations, prompt, RotatingKVCache"]
+    assert patched == 0 < upstream
+    assert counts["reallocations, decode, RotatingKVCache"][1] == 0
+    assert re.search(r"Not counted: [1-9]\d* of the prompt's chunks", out)
 
 
 # mlx_lm_patched.tiny, the models the tests and the demo run on.

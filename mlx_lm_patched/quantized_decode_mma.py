@@ -141,19 +141,8 @@ _DECODE_MMA = """
       if (k >= k_end) {
         x = NEG_INF;
       } else if (row < R) {
-        const int h = kvh * NREP + row / NQ, t = row % NQ;
-        if constexpr (CAUSAL) {
-          if (k > kL - NQ + t) x = NEG_INF;
-        }
-        if constexpr (MASK != 0) {
-          const auto mv = mask[b * mask_strides[0] + h * mask_strides[1] +
-                               t * mask_strides[2] + k * mask_strides[3]];
-          if constexpr (MASK == 1) {
-            if (!mv) x = NEG_INF;
-          } else {
-            x += float(mv);
-          }
-        }
+        x = mask_score<CAUSAL, MASK>(
+            x, mask, mask_strides, b, kvh * NREP + row / NQ, row % NQ, k, kL, NQ);
       }
       s[e] = x;
     }

@@ -27,6 +27,25 @@ __device__ __forceinline__ void unpack8(const uint32_t* w, float* out) {
   }
 }
 
+// Score x of query row t of head h for key k: -inf past the causal bound or
+// where a boolean mask (MASK 1) is off; an additive mask (MASK 2) added.
+template <bool CAUSAL, int MASK, typename M, typename S>
+__device__ __forceinline__ float mask_score(
+    float x, const M* mask, const S& ms, int b, int h, int t, int k, int kL, int NQ) {
+  if constexpr (CAUSAL) {
+    if (k > kL - NQ + t) return NEG_INF;
+  }
+  if constexpr (MASK != 0) {
+    const auto mv = mask[b * ms[0] + h * ms[1] + t * ms[2] + k * ms[3]];
+    if constexpr (MASK == 1) {
+      if (!mv) return NEG_INF;
+    } else {
+      return x + float(mv);
+    }
+  }
+  return x;
+}
+
 // Two floats as an f16x2 word, the first in the low half.
 __device__ __forceinline__ uint32_t pack_h2(float a, float b) {
   __half2 v = __floats2half2_rn(a, b);
@@ -173,22 +192,11 @@ _DECODE_PARTIAL = """
           x += __shfl_xor_sync(0xffffffffu, x, off);
         }
         const int row = rc * RC + r;
-        const int h = kvh * NREP + row / NQ, t = row % NQ;
         if (k >= k_end || row >= R) {
           x = NEG_INF;
         } else {
-          if constexpr (CAUSAL) {
-            if (k > kL - NQ + t) x = NEG_INF;
-          }
-          if constexpr (MASK != 0) {
-            const auto mv = mask[b * mask_strides[0] + h * mask_strides[1] +
-                                 t * mask_strides[2] + k * mask_strides[3]];
-            if constexpr (MASK == 1) {
-              if (!mv) x = NEG_INF;
-            } else {
-              x += float(mv);
-            }
-          }
+          x = mask_score<CAUSAL, MASK>(
+              x, mask, mask_strides, b, kvh * NREP + row / NQ, row % NQ, k, kL, NQ);
         }
         s[u][r] = x;
       }

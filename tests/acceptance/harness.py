@@ -37,6 +37,30 @@ LONG = " ".join(WORDS[40:190])
 OTHER_SHORT = " ".join(WORDS[200:220])
 OTHER_LONG = " ".join(WORDS[221:370])
 MAX_TOKENS = 24
+# Bytes of K and V a token in every layer of tiny llama (float32).
+LLAMA = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
+LLAMA_TOKEN_BYTES = (
+    2
+    * LLAMA["num_hidden_layers"]
+    * LLAMA["num_key_value_heads"]
+    * LLAMA["head_dim"]
+    * 4
+)
+
+
+def system_chat(system: str, i: int, max_tokens: int) -> dict:
+    """A greedy chat request behind ``system``; question ``i`` is its own."""
+    question = f"question {i}: {' '.join(WORDS[i : i + 6])}"
+    return {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
 # The cache options of generate and cache_prompt.
 OPTIONS = {
     "default": [],

@@ -14,29 +14,15 @@ import os
 import signal
 import time
 
-from harness import MODELS, REPORT, WORDS, Server
-
-from mlx_lm_patched import tiny
+from harness import LLAMA_TOKEN_BYTES, REPORT, WORDS, Server, system_chat
 
 SYSTEM = " ".join((WORDS * 2)[:560])  # about 1,000 tokens on the tiny tokenizer
-CONFIG = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
-# K and V of every layer, float32 (the tiny models' dtype)
-PER_TOKEN = 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * 4
-PER_TOKEN *= CONFIG["head_dim"]
 CHATS = 4
 
 
 def chat(server, i):
     """``(text, cached tokens, prompt tokens)`` of chat ``i``."""
-    body = {
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"question {i}: {' '.join(WORDS[i : i + 6])}"},
-        ],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-    status, reply = server.post("/v1/chat/completions", body)
+    status, reply = server.post("/v1/chat/completions", system_chat(SYSTEM, i, 8))
     assert status == 200, reply
     usage = reply["usage"]
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
@@ -83,7 +69,7 @@ def test_chats_keep_their_system_prompt_on_disk_once_and_a_restart_serves_it(
     entries = named_blocks(cache_dir)
     shared = set.intersection(*entries.values())
     prompt = answers[0][2]
-    once = PER_TOKEN * (prompt + CHATS * 128)  # the prefix, each chat's own
+    once = LLAMA_TOKEN_BYTES * (prompt + CHATS * 128)  # the prefix, each chat's own
     ratio = dir_bytes(cache_dir) / once
     with Server(model, *flags, log=tmp_path / "restarted.log") as server:
         text, cached, _ = chat(server, 0)

@@ -19,34 +19,20 @@ under the flag but log 17 prefixes, far over the bound.
 import re
 import threading
 
-from harness import MODELS, REPORT, WORDS, Server
-
-from mlx_lm_patched import tiny
+from harness import LLAMA_TOKEN_BYTES, REPORT, WORDS, Server, system_chat
 
 CHATS = 16
 SYSTEM = " ".join((WORDS * 8)[:2300])  # 4,097 tokens on the tiny tokenizer
-CONFIG = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
-# K and V of every layer, float32 (the tiny models' dtype)
-PER_TOKEN = 2 * CONFIG["num_hidden_layers"] * CONFIG["num_key_value_heads"] * 4
-PER_TOKEN *= CONFIG["head_dim"]
 # One prefix plus the tails: 4,200 tokens for the system prompt (template
 # included) and per conversation 64 tokens of its last partial block and 64
 # of its own (question, template, reply).
-HELD = PER_TOKEN * (4200 + (CHATS + 1) * 128)
-BATCH = PER_TOKEN * CHATS * 4608  # the 16 running rows, in 256-token steps
+HELD = LLAMA_TOKEN_BYTES * (4200 + (CHATS + 1) * 128)
+BATCH = LLAMA_TOKEN_BYTES * CHATS * 4608  # the 16 running rows, in 256-token steps
 LOGGED = re.compile(r"Prompt Cache: (\d+) sequences, [\d.]+ GB \((\d+) B\)")
 
 
 def chat(server, i, out):
-    body = {
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"question {i}: {' '.join(WORDS[i : i + 6])}"},
-        ],
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    out[i] = server.post("/v1/chat/completions", body)
+    out[i] = server.post("/v1/chat/completions", system_chat(SYSTEM, i, 4))
 
 
 def test_concurrent_chats_share_the_system_prompt_within_the_budget(

@@ -61,7 +61,6 @@ def test_each_turn_prefills_only_the_new_turn_where_upstream_prefills_all(
     )
     assert [a for *_, a in patched] == [a for *_, a in upstream]
     for (total, prefilled, _), (_, again, _) in zip(patched[1:], upstream[1:]):
-        previous = total - prefilled  # what the patched server reused
         # Upstream reuses the previous prompt (a cache stored at its end) and
         # prefills the previous answer again; patched, the answer is reused
         # but for the re-rendered tail: the new turn is all it prefills.

@@ -276,7 +276,8 @@ class DiskPromptCache(PromptBlockDir):
                     raise ValueError(
                         f"layer {i} holds {offset} tokens, its header {len(entry[1])}"
                     )
-            self._observe(self._read, entry[3], time.perf_counter() - start)
+            read = self._restore_bytes(name, entry[3])
+            self._observe(self._read, read, time.perf_counter() - start)
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
@@ -285,8 +286,8 @@ class DiskPromptCache(PromptBlockDir):
     def get(self, model: Any, tokens: List[int], cached: int = 0, saves=None):
         """``(cache, tokens left to prefill)`` from the entry that reuses the
         most of ``tokens`` for ``model``, if it reuses more than ``cached``;
-        else ``None``. With ``saves(n, file bytes)``, the seconds restoring
-        a file that reuses ``n`` tokens saves, the entry that saves the most
+        else ``None``. With ``saves(n, bytes read)``, the seconds restoring
+        a file (and its block files) that reuses ``n`` tokens saves, the entry that saves the most
         (a shorter one, or a longer one trimmed back), if one saves any."""
         model = self._model_key(model)
         while True:
@@ -295,9 +296,10 @@ class DiskPromptCache(PromptBlockDir):
                 if saves is None:
                     options = [(n, n, s) for n, s in options if n > cached]
                 else:
+                    names = [self._name(model, s) for _, s in options]
                     options = [
-                        (saves(n, self._files[self._name(model, s)][3]), n, s)
-                        for n, s in options
+                        (saves(n, self._restore_bytes(x, self._files[x][3])), n, s)
+                        for x, (n, s) in zip(names, options)
                         if n > cached
                     ]
                     options = [x for x in options if x[0] > 0]

@@ -334,6 +334,17 @@ class PromptBlockDir(PromptCacheDir):
             return set()
         return self._refs_seen[name][1]
 
+    def _restore_bytes(self, name: str, size: int):
+        """The bytes a restore of entry file ``name`` (``size`` bytes) reads:
+        it and the block files it names (``read_rate`` and the cost model
+        count them all)."""
+        for block in self._refs(name):
+            try:
+                size += os.stat(os.path.join(self.directory, block)).st_size
+            except OSError:
+                pass
+        return size
+
     def _shrink(self, free: int = 0):
         """Count every entry file and block file in the directory (other
         processes' too) and remove the least recently used entries until

@@ -112,6 +112,23 @@ def test_a_restart_reads_an_entry_from_its_blocks_bit_for_bit(tmp_path):
     again.close()
 
 
+def test_a_restore_counts_its_block_files_in_the_bytes_it_reads(tmp_path):
+    """``read_rate`` and the cost model's bytes are the entry file's and its
+    block files' (counting the tail alone made a restore look slow, and a
+    server recomputed what it could read)."""
+    mx.random.seed(4)
+    (tokens, cache), = conversations(1, 300, 10)  # fmt: skip
+    stored(tmp_path, [(tokens, cache)]).disk.close()
+    again = DiskPromptCache(str(tmp_path))
+    (name,) = entries(tmp_path)
+    assert again.get("m", tokens) is not None
+    assert again._read[0] == dir_bytes(tmp_path) > 2 * os.path.getsize(tmp_path / name)
+    seen = []
+    again.get("m", tokens, saves=lambda n, b: seen.append(b) or 1.0)
+    assert seen == [dir_bytes(tmp_path)]
+    again.close()
+
+
 def test_a_queued_entry_is_served_from_its_blocks_before_it_is_written(tmp_path):
     mx.random.seed(2)
     (tokens, cache), = conversations(1, 200, 10)  # fmt: skip

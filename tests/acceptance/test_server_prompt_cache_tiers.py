@@ -93,9 +93,25 @@ def entry_bytes(directory):
     )
 
 
+def settled(directory, quiet=1.0, seconds=60):
+    """Wait until ``directory`` is unchanged for ``quiet`` s with no file
+    being written: the replicas' write-behind queues are on disk."""
+    deadline, last, since = time.monotonic() + seconds, None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sorted((f, os.path.getsize(directory / f)) for f in os.listdir(directory))
+        if now != last or any(f.endswith(".tmp") for f, _ in now):
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{directory} still changing after {seconds} s")
+
+
 def test_two_replicas_on_one_directory_serve_each_others_entries(model_dir, tmp_path):
     model, cache_dir = model_dir("llama"), tmp_path / "cache"
-    budget = 1_300_000  # 4 of the 6 entries the prompts make
+    # Room for every prompt's entries and blocks: which entries a tight
+    # shared budget keeps is test_server_disk_hardening's (replicas).
+    budget = 3_000_000
     flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-disk-bytes", budget]
     replicas = [
         Server(model, *flags, log=tmp_path / f"replica{i}.log") for i in range(2)
@@ -119,6 +135,7 @@ def test_two_replicas_on_one_directory_serve_each_others_entries(model_dir, tmp_
             t.start()
         for t in threads:
             t.join(timeout=300)
+        settled(cache_dir)  # each one's newest entry written
         # Then each asks for the other's newest prompt, then the others'.
         for i, r in enumerate(replicas):
             newest = PROMPTS[1 - i :: 2][-1]

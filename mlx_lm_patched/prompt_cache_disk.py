@@ -276,7 +276,7 @@ class DiskPromptCache(PromptBlockDir):
                     raise ValueError(
                         f"layer {i} holds {offset} tokens, its header {len(entry[1])}"
                     )
-            read = self._restore_bytes(name, entry[3])
+            read = self._restore_bytes(entry[3], self._named_blocks(header))
             self._observe(self._read, read, time.perf_counter() - start)
             return cache
         except Exception as e:
@@ -287,8 +287,9 @@ class DiskPromptCache(PromptBlockDir):
         """``(cache, tokens left to prefill)`` from the entry that reuses the
         most of ``tokens`` for ``model``, if it reuses more than ``cached``;
         else ``None``. With ``saves(n, bytes read)``, the seconds restoring
-        a file (and its block files) that reuses ``n`` tokens saves, the entry that saves the most
-        (a shorter one, or a longer one trimmed back), if one saves any."""
+        an entry (its file and block files) that reuses ``n`` tokens saves,
+        the entry that saves the most (a shorter one, or a longer one
+        trimmed back), if one saves any."""
         model = self._model_key(model)
         while True:
             with self._lock:
@@ -296,10 +297,9 @@ class DiskPromptCache(PromptBlockDir):
                 if saves is None:
                     options = [(n, n, s) for n, s in options if n > cached]
                 else:
-                    names = [self._name(model, s) for _, s in options]
                     options = [
-                        (saves(n, self._restore_bytes(x, self._files[x][3])), n, s)
-                        for x, (n, s) in zip(names, options)
+                        (saves(n, self._entry_bytes(self._name(model, s))), n, s)
+                        for n, s in options
                         if n > cached
                     ]
                     options = [x for x in options if x[0] > 0]

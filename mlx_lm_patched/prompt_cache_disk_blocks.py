@@ -326,19 +326,26 @@ class PromptBlockDir(PromptCacheDir):
             seen = (st.st_ino, st.st_ctime_ns)
             if self._refs_seen.get(name, (None,))[0] != seen:
                 header = self._read_header(path, full=True)[1]
-                blocks = header["__metadata__"].get("0.blocks")
-                files = json.loads(blocks)["files"] if blocks else []
-                self._refs_seen[name] = (seen, set(files))
+                self._refs_seen[name] = (seen, set(self._named_blocks(header)))
         except Exception:
             self._refs_seen.pop(name, None)  # counted as naming none
             return set()
         return self._refs_seen[name][1]
 
-    def _restore_bytes(self, name: str, size: int):
-        """The bytes a restore of entry file ``name`` (``size`` bytes) reads:
-        it and the block files it names (``read_rate`` and the cost model
-        count them all)."""
-        for block in self._refs(name):
+    @staticmethod
+    def _named_blocks(header: dict) -> List[str]:
+        """The block files the entry file of ``header`` names."""
+        blocks = header["__metadata__"].get("0.blocks")
+        return json.loads(blocks)["files"] if blocks else []
+
+    def _entry_bytes(self, name: str):
+        """The bytes a restore of indexed entry ``name`` reads."""
+        return self._restore_bytes(self._files[name][3], self._refs(name))
+
+    def _restore_bytes(self, size: int, blocks):
+        """The bytes a restore reads: an entry file of ``size`` bytes and
+        its ``blocks`` files (``read_rate`` and the cost model count all)."""
+        for block in blocks:
             try:
                 size += os.stat(os.path.join(self.directory, block)).st_size
             except OSError:

@@ -475,7 +475,6 @@ PATCH = Patch(
         hashlib,
         json,
         logging,
-        os,
         queue,
         stat,
         threading,

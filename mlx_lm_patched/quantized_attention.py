@@ -77,6 +77,13 @@ def quantized_scaled_dot_product_attention(
 ) -> mx.array:
     """Attention over a quantized cache, about ``block_bytes`` of scores at a
     time: a long prefill chunk's scores outgrow the cache otherwise (#1587)."""
+    if use_decode_kernel(queries, bits) and sdpa_backend() == "cuda":
+        # No layer's keys dequantized; a QuantizedKVCache's tail read as it is.
+        return quantized_decode_attention(
+            queries, q_keys, q_values, scale, mask, group_size, bits
+        )
+    if len(q_keys) == 5:
+        q_keys, q_values = _quantize_tail(q_keys, q_values, group_size, bits)
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -86,10 +93,6 @@ def quantized_scaled_dot_product_attention(
     width = q_keys[0].shape[-1] * 32 // bits
 
     if sdpa_backend() == "cuda":
-        if use_decode_kernel(queries, bits):  # no layer's keys dequantized
-            return quantized_decode_attention(
-                queries, q_keys, q_values, scale, mask, group_size, bits
-            )
         keys, values = (
             mx.dequantize(*x, group_size=group_size, bits=bits, dtype=queries.dtype)
             for x in (q_keys, q_values)
@@ -180,7 +183,30 @@ def quantized_scaled_dot_product_attention(
     return out
 
 
-# Written as it reads in mlx_lm/models/base.py, and run from there.
+def _quantize_tail(q_keys, q_values, group_size, bits):
+    """``(packed, scales, biases)`` of the keys and of the values a
+    ``QuantizedKVCache`` decode step hands out with its tail (the whole
+    buffers, the tail, the lengths): the tail quantized after the packed
+    tokens, the bits the cache will hold."""
+    quantized, tail = q_keys[4].tolist()
+    out = []
+    for *parts, rest, _ in (q_keys, q_values):
+        width = parts[0].shape[-1] * 32 // bits
+        rest = rest[:, :, :tail]
+        if width > rest.shape[-1]:
+            rest = mx.pad(rest, [(0, 0)] * 3 + [(0, width - rest.shape[-1])])
+        rest = mx.quantize(rest, group_size=group_size, bits=bits)
+        out.append(
+            tuple(
+                mx.concatenate([x[:, :, :quantized], y], axis=2)
+                for x, y in zip(parts, rest)
+            )
+        )
+    return out
+
+
+# Written as they read in mlx_lm/models/base.py, and run from there.
+_quantize_tail = pasted_into("mlx_lm.models.base", _quantize_tail)
 quantized_scaled_dot_product_attention = pasted_into(
     "mlx_lm.models.base", quantized_scaled_dot_product_attention
 )
@@ -190,7 +216,9 @@ PATCH = Patch(
     "quantized_scaled_dot_product_attention: chained query blocks of bounded "
     "scores, zero-padded head dims, fused attention over dequantized keys on CUDA "
     "and the decode kernel for CUDA decode steps",
-    targets("mlx_lm.models.base", quantized_scaled_dot_product_attention)
+    targets(
+        "mlx_lm.models.base", _quantize_tail, quantized_scaled_dot_product_attention
+    )
     + targets("mlx_lm.models.base", _previous_attention=_previous_attention),
     requires=("mlx_lm.models.base:scaled_dot_product_attention",),
 )

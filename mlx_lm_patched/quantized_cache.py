@@ -26,7 +26,20 @@ Here the cache:
   ``quantized_attention``); a file saved with the group size in use passes
   ``generate``'s ``--kv-group-size`` check for the size that was asked for
   (``quantizes_with``).
+
+On MLX's CUDA backend a decode step (up to 8 tokens) is not quantized at
+once: its tokens wait in a small buffer of the cache dtype, the tail, and
+are quantized ``decode_tail`` (64) at a time, into the same bits as one by
+one. The step writes two slices, as ``KVCache`` does, instead of two
+quantizes and six writes, and ``update_and_fetch`` hands attention the
+whole buffers, the tail and a length pair (``_decode_lengths``) instead of
+six slices: ``quantized_decode_attention`` reads the tail as it is. A
+decode step's cache work and its host time were what kept ``--kv-bits``
+below the bfloat16 cache's speed there. Everything else (``keys``,
+``state``, ``trim``, ``nbytes``, ...) sees the tail quantized first.
 """
+
+import os
 
 from typing import TYPE_CHECKING
 
@@ -112,12 +125,39 @@ def _check_quantized(keys, values, group_size, bits, dtype=None, head_dims=None)
     return keys[0].shape[2]
 
 
+_decode_lengths_made = {}
+
+
+def _decode_lengths(quantized, tail):
+    """An int32 array of the two lengths, made once a step (a step's layers
+    share it)."""
+    key = (quantized, tail)
+    if key not in _decode_lengths_made:
+        _decode_lengths_made.clear()
+        _decode_lengths_made[key] = mx.array(key, dtype=mx.int32)
+    return _decode_lengths_made[key]
+
+
 class _QuantizedKVCache:
+    # Tokens a decode step may leave unquantized (CUDA, where the decode
+    # kernel reads them; 0: each update quantized at once).
+    decode_tail = (
+        64
+        if mx.cuda.is_available()
+        and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
+        else 0
+    )
+    _keys = _values = _tail = None
+    _tail_len = 0
+
     def __init__(self, group_size: int = 64, bits: int = 8):
         # keys, values: (packed, scales, biases), each (B, H, capacity, ...);
-        # tokens [0, offset) are live, [offset, capacity) are padding.
+        # tokens [0, offset) are live, [offset, capacity) are padding. The
+        # last _tail_len of them may wait in _tail (keys and values of
+        # decode_tail tokens in the cache dtype) until keys is read.
         self.keys = None
         self.values = None
+        self._tail = None
         self.offset = 0
         # As asked until the first update, then the one in use (see
         # _kv_quant_layout); head dims wider than head_dims are zero padding.
@@ -127,7 +167,38 @@ class _QuantizedKVCache:
         self.head_dims = None  # (k_head_dim, v_head_dim) before padding
         self.reserved = 0  # tokens expected in all; the next allocation holds them
 
+    @property
+    def keys(self):
+        if self._tail_len:
+            self._flush()
+        return self._keys
+
+    @keys.setter
+    def keys(self, v):
+        self._keys, self._tail_len = v, 0
+
+    @property
+    def values(self):
+        if self._tail_len:
+            self._flush()
+        return self._values
+
+    @values.setter
+    def values(self, v):
+        self._values, self._tail_len = v, 0
+
     def update_and_fetch(self, keys, values):
+        if keys.shape[2] <= 8 and (self._tail is not None or self._start_tail()):
+            tk, tv = self._tail
+            ks, vs = keys.shape, values.shape
+            if (
+                ks[:2] == tk.shape[:2]
+                and ks[3] == tk.shape[3]
+                and vs[:3] == ks[:3]
+                and vs[3] == tv.shape[3]
+                and keys.dtype == values.dtype == tk.dtype
+            ):
+                return self._tail_update(keys, values)
         B, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
         dtype = str(keys.dtype).rpartition(".")[2]
@@ -161,11 +232,7 @@ class _QuantizedKVCache:
             self.head_dims = (k_head_dim, v_head_dim)
         capacity = 0 if self.keys is None else self.keys[0].shape[-2]
         if end > capacity or self.keys is None:
-            if end <= self.reserved:
-                capacity = self.reserved
-            else:
-                capacity = max(end, capacity + capacity // 2)
-                capacity = (capacity + self.step - 1) // self.step * self.step
+            capacity = self._grown(capacity, end)
             if self.keys is not None:
                 self._resize(capacity)
             elif capacity == num_steps:  # the update is the buffer
@@ -184,6 +251,63 @@ class _QuantizedKVCache:
                 self.values[i][:, :, prev:end] = values[i]
         _pipeline((*self.keys, *self.values), num_steps)
         return self.keys_and_values()
+
+    def _grown(self, capacity, end):
+        """The capacity to grow to from ``capacity`` for ``end`` tokens."""
+        if end <= self.reserved:
+            return self.reserved
+        capacity = max(end, capacity + capacity // 2)
+        return (capacity + self.step - 1) // self.step * self.step
+
+    def _start_tail(self):
+        """Give a decode step a tail if it can have one: on CUDA, after the
+        prompt, 4 or 8 bits, a half-precision cache of one head dim up to
+        128 (what the decode kernel reads)."""
+        if (
+            not self.decode_tail
+            or self._keys is None
+            or self.bits not in (4, 8)
+            or self.dtype not in ("bfloat16", "float16")
+            or self.head_dims[0] != self.head_dims[1]
+            or self.head_dims[0] > 128
+        ):
+            return False
+        shape = (*self._keys[0].shape[:2], self.decode_tail, self.head_dims[0])
+        dtype = getattr(mx, self.dtype)
+        self._tail = (mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+        return True
+
+    def _tail_update(self, keys, values):
+        """Write a decode step's tokens into the tail (quantizing it first if
+        they do not fit); the buffers for ``quantized_decode_attention``:
+        ``(packed, scales, biases, tail, lengths)`` of keys and of values,
+        the tokens ``[0, lengths[0])`` packed and the next ``lengths[1]`` in
+        the tail."""
+        tk, tv = self._tail
+        n = keys.shape[2]
+        if self._tail_len + n > tk.shape[2]:
+            self._flush()
+        t = self._tail_len
+        tk[:, :, t : t + n] = keys
+        tv[:, :, t : t + n] = values
+        self.offset += n
+        self._tail_len = t + n
+        lengths = _decode_lengths(self.offset - t - n, t + n)
+        return (*self._keys, tk, lengths), (*self._values, tv, lengths)
+
+    def _flush(self):
+        """Quantize the tail's tokens into ``keys`` and ``values``."""
+        t, self._tail_len = self._tail_len, 0
+        end = self.offset
+        tk, tv = self._tail
+        _, keys, values = _kv_quantize(
+            tk[:, :, :t], tv[:, :, :t], self.group_size, self.bits
+        )
+        if end > self._keys[0].shape[2]:
+            self._resize(self._grown(self._keys[0].shape[2], end))
+        for i in range(3):
+            self._keys[i][:, :, end - t : end] = keys[i]
+            self._values[i][:, :, end - t : end] = values[i]
 
     def keys_and_values(self):
         # Six plain slices: upstream's tree_map and Ellipsis took a third of a
@@ -228,6 +352,7 @@ class _QuantizedKVCache:
         self.keys = None if keys is None else tuple(keys)
         self.values = None if values is None else tuple(values)
         self.reserved = 0
+        self._tail = None
 
     @staticmethod
     def _check_state(v):
@@ -243,6 +368,7 @@ class _QuantizedKVCache:
             raise ValueError(f"QuantizedKVCache.trim: n must be >= 0, got {n}")
         n = min(self.offset, n)
         self.offset -= n
+        self._tail_len = max(0, self._tail_len - n)
         return n
 
     def reserve(self, n):
@@ -257,6 +383,7 @@ class _QuantizedKVCache:
         """Copy the live tokens into exactly sized buffers, freeing the old ones."""
         if self.keys is None:
             return
+        self._tail = None
         if self.offset == 0:
             self.keys = self.values = None
             return
@@ -302,7 +429,8 @@ class _QuantizedKVCache:
     def nbytes(self):
         if self.keys is None:
             return 0
-        return tree_reduce(lambda a, x: a + x.nbytes, (self.keys, self.values), 0)
+        arrays = (self.keys, self.values, self._tail or ())
+        return tree_reduce(lambda a, x: a + x.nbytes, arrays, 0)
 
 
 class _KVCache:
@@ -316,6 +444,7 @@ class _KVCache:
         return quant_cache
 
 
+_decode_lengths = pasted_into("mlx_lm.models.cache", _decode_lengths)
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
 _kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
 _check_quantized = pasted_into("mlx_lm.models.cache", _check_quantized)
@@ -324,7 +453,15 @@ PATCH = Patch(
     "quantized_cache",
     "QuantizedKVCache: live size, compaction, geometric growth, dequantized "
     "export, bit-exact save/load, any head dim",
-    targets("mlx_lm.models.cache", _kv_quant_layout, _kv_quantize, _check_quantized)
+    targets(
+        "mlx_lm.models.cache",
+        os,
+        _decode_lengths,
+        _kv_quant_layout,
+        _kv_quantize,
+        _check_quantized,
+        _decode_lengths_made=_decode_lengths_made,
+    )
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
     + targets("mlx_lm.models.cache:KVCache", _KVCache),
 )

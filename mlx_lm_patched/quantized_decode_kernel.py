@@ -73,28 +73,48 @@ _cuda_kernels = mx.cuda.is_available()
 
 _decode_kernels = {}
 _decode_constants = {}
+_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
 _decode_launches = {}
 
 
-def _decode_kernel(name):
-    if not _decode_kernels:
-        for key, source in (("partial", _DECODE_PARTIAL), ("mma", _DECODE_MMA)):
-            _decode_kernels[key] = mx.fast.cuda_kernel(
-                name=f"qkv_decode_{key}",
-                input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask", "scale"],
-                output_names=["o_part", "m_part", "l_part"],
-                source=source,
-                header=_DECODE_HEADER,
-                ensure_row_contiguous=False,
+def _decode_kernel(name, template):
+    """The kernel ``name`` ("partial", "mma" or "reduce") with ``template``'s
+    constants compiled in, made once: a launch then converts no template
+    arguments, and its source (which MLX hashes at every launch) has no
+    comments or indentation."""
+    key = (name, tuple(template))
+    if key not in _decode_kernels:
+        inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "lens", "mask", "scale"]
+        outputs = ["o_part", "m_part", "l_part"]
+        if name == "reduce":
+            inputs = outputs + ["q", "tk", "tv", "lens", "mask", "scale"]
+            outputs = ["out"]
+        source = {"partial": _DECODE_PARTIAL, "mma": _DECODE_MMA}
+        source = source.get(name, _DECODE_REDUCE)
+        constants = [
+            (
+                f"using {k} = {_CUDA_TYPES[v]};"
+                if isinstance(v, mx.Dtype)
+                else f"constexpr {type(v).__name__} {k} = {str(v).lower()};"
             )
-        _decode_kernels["reduce"] = mx.fast.cuda_kernel(
-            name="qkv_decode_reduce",
-            input_names=["o_part", "m_part", "l_part"],
-            output_names=["out"],
-            source=_DECODE_REDUCE,
-            header=_DECODE_HEADER,
+            for k, v in template
+        ]
+        source = _minified("\n".join(constants) + "\n" + source)
+        _decode_kernels[key] = mx.fast.cuda_kernel(
+            name=f"qkv_decode_{name}_{len(_decode_kernels)}",
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=_minified(_DECODE_HEADER),
+            ensure_row_contiguous=False,
         )
-    return _decode_kernels[name]
+    return _decode_kernels[key]
+
+
+def _minified(source):
+    """``source`` without blank lines, comment lines or indentation."""
+    lines = (x.strip() for x in source.splitlines())
+    return "\n".join(x for x in lines if x and not x.startswith("//")) + "\n"
 
 
 def _decode_constant(value, dtype):
@@ -130,13 +150,27 @@ def use_decode_kernel(queries, bits) -> bool:
 
 
 def _decode_launch(
-    B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal, splits, dtype
+    B,
+    n_q_heads,
+    L,
+    D,
+    n_kv_heads,
+    width,
+    bits,
+    group_size,
+    kind,
+    causal,
+    splits,
+    dtype,
+    tail=1,
 ):
-    """The two kernels' launch arguments for one shape, made once (a decode
-    step's Python is most of its time on a fast GPU), and which first kernel."""
+    """Which first kernel, and the two kernels (``template``, ``kernel``, the
+    ``call``'s arguments) for one shape, made once (a decode step's Python is
+    most of its time on a fast GPU); ``tail``: the tokens a cache's tail
+    holds (1 without one)."""
     key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
-    key += (splits, dtype, DECODE_KEYS_PER_ITER, DECODE_PREFETCH, DECODE_DIMS_PER_LANE)
-    key += (DECODE_ROWS, DECODE_MMA)
+    key += (splits, dtype, tail, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
+    key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA)
     if key in _decode_launches:
         return _decode_launches[key]
     n_repeats = n_q_heads // n_kv_heads
@@ -150,26 +184,35 @@ def _decode_launch(
         template += [("RC", rc), ("DPL", dpl)]
         template.append(("TPK", 1 << (-(-width // dpl) - 1).bit_length()))
         template += [("KT", DECODE_KEYS_PER_ITER), ("PF", DECODE_PREFETCH)]
+    first = "mma" if mma else "partial"
     partial = dict(
         template=template,
-        grid=(splits * 128, n_kv_heads, B * -(-rows // rc)),
-        threadgroup=(128, 1, 1),
-        output_shapes=[
-            (B, n_kv_heads, splits, rows, width),
-            (B, n_kv_heads, splits, rows),
-            (B, n_kv_heads, splits, rows),
-        ],
-        output_dtypes=[mx.float32] * 3,
+        kernel=_decode_kernel(first, template) if _cuda_kernels else None,
+        call=dict(
+            grid=(splits * 128, n_kv_heads, B * -(-rows // rc)),
+            threadgroup=(128, 1, 1),
+            output_shapes=[
+                (B, n_kv_heads, splits, rows, width),
+                (B, n_kv_heads, splits, rows),
+                (B, n_kv_heads, splits, rows),
+            ],
+            output_dtypes=[mx.float32] * 3,
+        ),
     )
+    template = [("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
+    template += [("MAX_SPLITS", max(splits, DECODE_BLOCKS)), ("TAIL", tail)]
+    template += [("MASK", kind), ("CAUSAL", causal)]
     reduce = dict(
-        template=[("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
-        + [("MAX_SPLITS", max(splits, DECODE_BLOCKS))],
-        grid=(width, n_kv_heads * rows, B),
-        threadgroup=(width, 1, 1),
-        output_shapes=[(B, n_q_heads, L, D)],
-        output_dtypes=[dtype],
+        template=template,
+        kernel=_decode_kernel("reduce", template) if _cuda_kernels else None,
+        call=dict(
+            grid=(width, n_kv_heads * rows, B),
+            threadgroup=(width, 1, 1),
+            output_shapes=[(B, n_q_heads, L, D)],
+            output_dtypes=[dtype],
+        ),
     )
-    _decode_launches[key] = "mma" if mma else "partial", partial, reduce
+    _decode_launches[key] = first, partial, reduce
     return _decode_launches[key]
 
 
@@ -182,8 +225,18 @@ def _decode_mma(rows, width) -> bool:
 def quantized_decode_attention(
     queries, q_keys, q_values, scale, mask, group_size, bits, splits=None
 ):
-    """Attention of a few queries over a quantized cache, with the kernel."""
+    """Attention of a few queries over a quantized cache, with the kernel.
+    ``q_keys``, ``q_values``: ``(packed, scales, biases)``, or with a
+    ``QuantizedKVCache``'s tail and lengths after them (the whole buffers:
+    ``QuantizedKVCache._tail_update``)."""
     B, n_q_heads, L, D = queries.shape
+    if len(q_keys) == 5:
+        *q_keys, tk, lengths = q_keys
+        *q_values, tv, _ = q_values
+        tail = tk.shape[2]
+    else:  # lengths -1: the kernels take the views' own
+        tk = tv = _decode_constant(0, queries.dtype)
+        lengths, tail = _decode_constant(-1, mx.int32), 1
     _, n_kv_heads, kL, packed = q_keys[0].shape
     rows = n_q_heads // n_kv_heads * L
     chunks = 1 if _decode_mma(rows, packed * 32 // bits) else -(-rows // DECODE_ROWS)
@@ -195,7 +248,7 @@ def quantized_decode_attention(
         kind = 1 if mask.dtype == mx.bool_ else 2
         while mask.ndim < 4:
             mask = mask[None]
-        mask = mx.broadcast_to(mask, (B, n_q_heads, L, kL))  # strides 0
+        mask = mx.broadcast_to(mask, (B, n_q_heads, L, mask.shape[-1]))  # strides 0
     first, partial, reduce = _decode_launch(
         B,
         n_q_heads,
@@ -209,16 +262,20 @@ def quantized_decode_attention(
         causal,
         splits,
         queries.dtype,
+        tail,
     )
     scale = _decode_constant(scale, mx.float32)
-    parts = _decode_kernel(first)(
-        inputs=[queries, *q_keys, *q_values, mask, scale], **partial
+    parts = partial["kernel"](
+        inputs=[queries, *q_keys, *q_values, lengths, mask, scale], **partial["call"]
     )
-    return _decode_kernel("reduce")(inputs=parts, **reduce)[0]
+    return reduce["kernel"](
+        inputs=[*parts, queries, tk, tv, lengths, mask, scale], **reduce["call"]
+    )[0]
 
 
 # Written as they read in mlx_lm/models/base.py, and run from there.
 _decode_kernel = pasted_into("mlx_lm.models.base", _decode_kernel)
+_minified = pasted_into("mlx_lm.models.base", _minified)
 _decode_constant = pasted_into("mlx_lm.models.base", _decode_constant)
 _decode_launch = pasted_into("mlx_lm.models.base", _decode_launch)
 _decode_mma = pasted_into("mlx_lm.models.base", _decode_mma)
@@ -236,6 +293,7 @@ PATCH = Patch(
         "mlx_lm.models.base",
         os,
         _decode_kernel,
+        _minified,
         _decode_constant,
         _decode_launch,
         _decode_mma,
@@ -251,6 +309,7 @@ PATCH = Patch(
         DECODE_DIMS_PER_LANE=DECODE_DIMS_PER_LANE,
         DECODE_MMA=DECODE_MMA,
         _cuda_kernels=_cuda_kernels,
+        _CUDA_TYPES=_CUDA_TYPES,
         _DECODE_HEADER=_DECODE_HEADER,
         _DECODE_PARTIAL=_DECODE_PARTIAL,
         _DECODE_REDUCE=_DECODE_REDUCE,

@@ -25,9 +25,9 @@ _DECODE_MMA = """
   const int split = blockIdx.x, n_splits = gridDim.x;
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-  const int kL = kw_shape[2], D = q_shape[3];
-  const int per = (kL + n_splits - 1) / n_splits;
-  const int k_begin = split * per, k_end = min(kL, k_begin + per);
+  const int D = q_shape[3];
+  int kL, k_begin, k_end;
+  key_range(lens, kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const float sc = scale[0];
 
   // B of the scores: query row g (column g), a group's dims a k16 chunk at

@@ -13,9 +13,16 @@ def decode_attention_reference(
     """What the kernel computes, in ``mx`` ops: keys and values dequantized
     in float32, the queries (scaled, zero-padded to the cache's width) as
     rows of their KV head, the keys cut into ``splits`` ranges of ``ceil(kL
-    / splits)``; each range's max (never below float32's lowest), sum of
-    exponentials and weighted values, merged by their maxima."""
+    / splits)``, a ``QuantizedKVCache``'s tail (``q_keys`` and ``q_values``
+    of five) one more range; each range's max (never below float32's
+    lowest), sum of exponentials and weighted values, merged by their
+    maxima."""
     B, n_q_heads, L, D = queries.shape
+    tail = 0
+    if len(q_keys) == 5:
+        kL, tail = q_keys[4].tolist()
+        rest = [x[3][:, :, :tail].astype(mx.float32) for x in (q_keys, q_values)]
+        q_keys, q_values = ([p[:, :, :kL] for p in x[:3]] for x in (q_keys, q_values))
     n_kv_heads, kL = q_keys[0].shape[-3], q_keys[0].shape[-2]
     n_repeats = n_q_heads // n_kv_heads
     keys, values = (
@@ -23,27 +30,46 @@ def decode_attention_reference(
         for x in (q_keys, q_values)
     )
     width = keys.shape[-1]
+    if tail:
+        rest = [mx.pad(x, [(0, 0)] * 3 + [(0, width - D)]) for x in rest]
+        keys, values = (
+            mx.concatenate([x, y], axis=2) for x, y in zip((keys, values), rest)
+        )
     q = queries.astype(mx.float32) * scale
     q = mx.pad(q, [(0, 0)] * 3 + [(0, width - D)])
     q = mx.reshape(q, (B, n_kv_heads, n_repeats * L, width))
     scores = q @ mx.swapaxes(keys, -1, -2)
+    n = kL + tail
     if isinstance(mask, str):
-        mask = mx.arange(kL - L, kL)[:, None] >= mx.arange(kL)[None]
+        mask = mx.arange(n - L, n)[:, None] >= mx.arange(n)[None]
     if mask is not None:
         while mask.ndim < 4:
             mask = mask[None]
-        mask = mx.broadcast_to(mask, (B, n_q_heads, L, kL))
-        mask = mx.reshape(mask, (B, n_kv_heads, n_repeats * L, kL))
+        mask = mx.broadcast_to(mask, (B, n_q_heads, L, n))
+        mask = mx.reshape(mask, (B, n_kv_heads, n_repeats * L, n))
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, -math.inf)
         else:
             scores = scores + mask.astype(mx.float32)
+    # The ranges, each padded to the longest (the tail's may be longer).
     per = -(-kL // splits)
-    pad = [(0, 0)] * 3 + [(0, per * splits - kL)]
-    scores = mx.pad(scores, pad, constant_values=-math.inf)
-    scores = mx.reshape(scores, (*scores.shape[:3], splits, per))
-    values = mx.pad(values, [(0, 0), (0, 0), (0, per * splits - kL), (0, 0)])
-    values = mx.reshape(values, (B, n_kv_heads, 1, splits, per, width))
+    size = max(per, tail)
+    ranges = [(i * per, min(kL, (i + 1) * per)) for i in range(splits)]
+    ranges += [(kL, n)] if tail else []
+
+    def cut(x, fill):
+        parts = [
+            mx.pad(
+                x[..., a:b, :],
+                [(0, 0)] * (x.ndim - 2) + [(0, size - max(b - a, 0)), (0, 0)],
+                constant_values=fill,
+            )
+            for a, b in ranges
+        ]
+        return mx.stack(parts, axis=-3)
+
+    scores = cut(scores[..., None], -math.inf)[..., 0]
+    values = cut(values, 0)[:, :, None]
     m = mx.maximum(mx.max(scores, axis=-1), mx.finfo(mx.float32).min)
     p = mx.exp(scores - m[..., None])
     s = mx.sum(p, axis=-1)

@@ -5,6 +5,17 @@ installs these strings in ``mlx_lm.models.base`` with its functions."""
 _DECODE_HEADER = """
 #define LOWEST (-3.402823466e+38f)
 #define NEG_INF (__int_as_float(0xff800000))
+// The keys [k_begin, k_end) of a block's range, of the packed ones: lens
+// holds the packed and tail counts, or lens[0] < 0 for the packed views'
+// length (``viewed``) and no tail; kL counts the tail's keys too.
+__device__ __forceinline__ void key_range(
+    const int32_t* lens, int viewed, int split, int n_splits, int& kL, int& k_begin, int& k_end) {
+  const int kQ = lens[0] < 0 ? viewed : lens[0];
+  kL = lens[0] < 0 ? kQ : kQ + lens[1];
+  const int per = (kQ + n_splits - 1) / n_splits;
+  k_begin = split * per;
+  k_end = min(kQ, k_begin + per);
+}
 
 // 8 quantized values of a lane as floats: each one's bits under float
 // 2^23's mantissa, less 2^23 (full-rate ops; an integer conversion is not).
@@ -100,12 +111,12 @@ _DECODE_PARTIAL = """
   const int split = blockIdx.x, n_splits = gridDim.x;
   const int kvh = blockIdx.y, b = blockIdx.z / NRC, rc = blockIdx.z % NRC;
   const int group = threadIdx.x / TPK, lane = threadIdx.x % TPK;
-  const int kL = kw_shape[2], D = q_shape[3];
+  const int D = q_shape[3];
+  int kL, k_begin, k_end;
+  key_range(lens, kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const int d0 = lane * DPL;
   const bool active = d0 < W;
   const float sc = scale[0];
-  const int per = (kL + n_splits - 1) / n_splits;
-  const int k_begin = split * per, k_end = min(kL, k_begin + per);
 
   float qr[RC][DPL], qsum[RC], m[RC], l[RC], acc[RC][DPL], accb[RC];
 #pragma unroll
@@ -275,11 +286,30 @@ _DECODE_REDUCE = """
   constexpr int R = NREP * NQ;
   const int d = threadIdx.x, nt = blockDim.x;
   const int kvh = blockIdx.y / R, row = blockIdx.y % R, b = blockIdx.z;
+  const int h = kvh * NREP + row / NQ, t = row % NQ;
   const int n_splits = m_part_shape[2];
   const size_t part = (size_t)(b * (gridDim.y / R) + kvh) * n_splits * R + row;
-  __shared__ float f[MAX_SPLITS], red[32];
+  __shared__ float f[MAX_SPLITS], red[32], ts[TAIL];
+  // The tail's scores (lens[1] keys after the lens[0] packed ones, in the
+  // cache dtype): warp w takes keys w, w + nt / 32, ..., lane i dims i, i + 32, ...
+  const int n_tail = lens[0] < 0 ? 0 : lens[1], kQ = lens[0], kL = kQ + n_tail;
+  const float sc = scale[0];
+  for (int j = d / 32; j < n_tail; j += nt / 32) {
+    float x = 0.f;
+    for (int e = d % 32; e < D; e += 32) {
+      x += float(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[2] + e * q_strides[3]]) *
+          float(tk[b * tk_strides[0] + kvh * tk_strides[1] + j * tk_strides[2] + e * tk_strides[3]]);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    if (d % 32 == 0) {
+      ts[j] = mask_score<CAUSAL, MASK>(x * sc, mask, mask_strides, b, h, t, kQ + j, kL, NQ);
+    }
+  }
+  __syncthreads();
   float M = LOWEST;
   for (int s = d; s < n_splits; s += nt) M = fmaxf(M, m_part[part + s * R]);
+  for (int j = d; j < n_tail; j += nt) M = fmaxf(M, ts[j]);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
   if (d % 32 == 0) red[d / 32] = M;
@@ -290,6 +320,10 @@ _DECODE_REDUCE = """
   for (int s = d; s < n_splits; s += nt) {
     f[s] = __expf(m_part[part + s * R] - M);
     S += l_part[part + s * R] * f[s];
+  }
+  for (int j = d; j < n_tail; j += nt) {
+    ts[j] = __expf(ts[j] - M);
+    S += ts[j];
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) S += __shfl_xor_sync(0xffffffffu, S, off);
@@ -302,7 +336,9 @@ _DECODE_REDUCE = """
 #pragma unroll 16
   for (int s = 0; s < n_splits; s++) O += o_part[(part + s * R) * W + d] * f[s];
   if (d < D) {
-    const int h = kvh * NREP + row / NQ, t = row % NQ;
+    for (int j = 0; j < n_tail; j++) {
+      O += ts[j] * float(tv[b * tv_strides[0] + kvh * tv_strides[1] + j * tv_strides[2] + d * tv_strides[3]]);
+    }
     out[((b * (gridDim.y / R) * NREP + h) * NQ + t) * D + d] = T(S > 0.f ? O / S : 0.f);
   }
 """

@@ -7,6 +7,7 @@ from fuzzing import dequantized, fuzz
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
+from mlx_lm.models import base
 from mlx_lm.models.base import (
     scaled_dot_product_attention,
 )
@@ -363,3 +364,126 @@ def test_quantized_cache_holds_its_tokens_within_quantization_error(session, see
             rounding = 2.0**-5 if dtype == mx.bfloat16 else 0.0
             err = (2.0 ** (2 - bits) + rounding) * mx.abs(keys).max().item()
             assert mx.abs(kv.keys - keys).max().item() <= err
+
+
+# The decode tail (on by default only on CUDA, where the kernel reads it; set
+# here, where attention quantizes it after the packed tokens).
+
+
+def tail_pair(bits, tail=8):
+    """A cache with a decode tail of ``tail`` tokens and one without."""
+    on, off = QuantizedKVCache(64, bits), QuantizedKVCache(64, bits)
+    on.decode_tail, off.decode_tail = tail, 0
+    return on, off
+
+
+def as_quantized(keys, values, cache):
+    """The (packed, scales, biases) of keys and values an update handed out,
+    a tail's tokens quantized after the packed ones."""
+    if len(keys) == 5:
+        return base._quantize_tail(keys, values, cache.group_size, cache.bits)
+    return keys, values
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_steps_through_a_tail_hand_out_and_keep_the_same_bits(bits):
+    """Steps of 1-3 tokens through a tail of 8 (full every few steps, the
+    buffers grown under it) hand attention the tokens a cache without a tail
+    holds, bit for bit, and leave the same state."""
+    on, off = tail_pair(bits)
+    k, v = kv(40, dtype=mx.bfloat16, seed=1)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+    tails = []
+    for i, n in enumerate([1, 1, 3, 1, 2, 1, 1, 1, 3, 1] * 4):
+        k, v = kv(n, dtype=mx.bfloat16, seed=10 + i)
+        got = on.update_and_fetch(k, v)
+        want = off.update_and_fetch(k, v)
+        assert len(got[0]) == 5 and len(want[0]) == 3
+        assert same(as_quantized(*got, on), list(want)), i
+        tails.append(on._tail_len)
+    assert max(tails) <= 8 and tails.count(0) == 0 and len(set(tails)) > 4
+    assert on.offset == off.offset == 40 + 60
+    assert same(on.state, off.state)  # the tail quantized as it is read
+    assert on._tail_len == 0
+
+
+@pytest.mark.parametrize("n", [2, 9])
+def test_trimming_into_and_past_the_tail_keeps_a_tailless_cache_s_tokens(n):
+    """A speculative step's rejected tokens trimmed from the tail (2), or
+    past it into the packed tokens (9), then new steps: the tokens and bits
+    of a cache without a tail."""
+    on, off = tail_pair(8)
+    k, v = kv(30, dtype=mx.bfloat16, seed=2)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+    for i in range(5):
+        k, v = kv(1, dtype=mx.bfloat16, seed=20 + i)
+        on.update_and_fetch(k, v)
+        off.update_and_fetch(k, v)
+    assert on._tail_len == 5
+    assert on.trim(n) == off.trim(n) == n
+    assert on._tail_len == max(0, 5 - n)
+    for i in range(12):
+        k, v = kv(3, dtype=mx.bfloat16, seed=40 + i)
+        got, want = on.update_and_fetch(k, v), off.update_and_fetch(k, v)
+        assert same(as_quantized(*got, on), list(want)), i
+    assert same(on.state, off.state)
+
+
+def test_a_cache_read_with_tokens_in_its_tail_reads_them_quantized():
+    """State, a saved file, bytes, a dequantized copy and compaction, taken
+    while tokens wait in the tail: what a cache without a tail gives (bytes:
+    its buffers and the tail's)."""
+    on, off = tail_pair(4)
+    k, v = kv(20, dtype=mx.bfloat16, seed=3)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+
+    def step(seed):
+        k, v = kv(1, dtype=mx.bfloat16, seed=seed)
+        on.update_and_fetch(k, v)
+        off.update_and_fetch(k, v)
+        assert on._tail_len
+
+    step(4)
+    assert same(save_load(on).state, save_load(off).state)
+    step(5)
+    assert same(on.to_kv_cache().state, off.to_kv_cache().state)
+    step(6)
+    packed = sum(x.nbytes for x in on.keys + on.values)
+    assert on.nbytes == packed + 2 * (1 * 2 * 8 * 64 * 2)  # the tail: 8 bf16 tokens
+    step(7)
+    on.compact(), off.compact()
+    assert same(on.state, off.state) and on.nbytes == off.nbytes
+
+
+def test_no_tail_where_the_kernel_cannot_read_one():
+    """A float32 cache, 6 bits, key and value dims that differ, or dims past
+    128 quantize each step at once."""
+    for dtype, bits, dims in [
+        (mx.float32, 8, (64, 64)),
+        (mx.bfloat16, 6, (64, 64)),
+        (mx.bfloat16, 8, (64, 128)),
+        (mx.bfloat16, 8, (256, 256)),
+    ]:
+        c = QuantizedKVCache(64, bits)
+        c.decode_tail = 8
+        k, _ = kv(10, dim=dims[0], dtype=dtype)
+        _, v = kv(10, dim=dims[1], dtype=dtype)
+        c.update_and_fetch(k, v)
+        keys, _ = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
+        assert len(keys) == 3 and c._tail is None, (dtype, bits, dims)
+
+
+def test_greedy_tokens_with_a_tail_equal_those_without(monkeypatch):
+    """generate_step with --kv-bits on a bfloat16 llama: the same greedy
+    tokens with a tail of 8 as without (here attention quantizes the tail)."""
+    model = tiny.build_model(tiny.model_config("llama"), dtype="bfloat16")
+    prompt = mx.array(np.random.default_rng(0).integers(0, 512, 60))
+    kw = dict(kv_bits=4, quantized_kv_start=0, prefill_step_size=32)
+    want, _ = single_stream(model, prompt, 30, **kw)
+    monkeypatch.setattr(QuantizedKVCache, "decode_tail", 8)
+    got, cache = single_stream(model, prompt, 30, **kw)
+    assert got == want
+    assert cache[0]._tail is not None

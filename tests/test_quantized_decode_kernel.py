@@ -61,6 +61,38 @@ def test_split_softmax_over_packed_keys_equals_dequantized_attention(
         assert close(got, want), splits
 
 
+@pytest.mark.parametrize("D, group_size", [(64, 64), (80, 32)])
+@pytest.mark.parametrize("L, mask", [(1, None), (3, "causal")])
+def test_a_cache_s_tail_is_one_more_range_read_as_it_is(D, group_size, L, mask):
+    """Keys as a QuantizedKVCache decode step hands them out (whole buffers,
+    garbage past the packed keys and the tail's): attention over the packed
+    keys dequantized and the tail's as they are."""
+    rng = np.random.default_rng(D + L)
+    q_keys, q_values = quantized_cache(1, 2, 240, D, group_size, 4)
+    tails = random_kv(1, 2, 16, D)
+    queries = mx.array(rng.standard_normal((1, 8, L, D), dtype=np.float32))
+    lengths = mx.array([200, 11], mx.int32)
+    five = [(*p, t, lengths) for p, t in zip((q_keys, q_values), tails)]
+    keys, values = (
+        mx.concatenate(
+            [
+                mx.dequantize(*[x[:, :, :200] for x in p], group_size, 4)[..., :D],
+                t[:, :, :11],
+            ],
+            axis=2,
+        )
+        for p, t in zip((q_keys, q_values), tails)
+    )
+    want = mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=0.1, mask=mask
+    )
+    for splits in (1, 3, 7):
+        got = decode_attention_reference(
+            queries, *five, 0.1, mask, group_size, 4, splits
+        )
+        assert close(got, want), splits
+
+
 @pytest.mark.parametrize("L", [1, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_wrapped_ring_s_mask_comes_in_as_an_array(L, bits):
@@ -161,8 +193,8 @@ def test_up_to_8_rows_over_widths_64_and_128_take_the_tensor_core_kernel(
     assert got == kernel
     rows = n_q_heads // 8 * L
     if kernel == "mma":
-        assert partial["grid"] == (16 * 128, 8, 2)
-        assert partial["output_shapes"][0] == (2, 8, 16, rows, width)
+        assert partial["call"]["grid"] == (16 * 128, 8, 2)
+        assert partial["call"]["output_shapes"][0] == (2, 8, 16, rows, width)
 
 
 # Which calls reach the kernel.

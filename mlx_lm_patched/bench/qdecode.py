@@ -80,11 +80,21 @@ def check(args):
     for L in (2, 4, 8):
         cases.append((128, 64, 8, 4, L, "causal", 1))
         cases.append((128, 64, 4, 4, L, "batch", 2))
-    for D, gs, bits, n_rep, L, kind, B in cases:
+    cases = [c + (0,) for c in cases]
+    # A QuantizedKVCache's decode tail: its last keys in bfloat16.
+    for D in (64, 80, 96, 128):
+        for bits in (4, 8):
+            for tail in (1, 37, 64):
+                cases.append((D, 32 if D % 64 else 64, bits, 4, 1, "none", 1, tail))
+    for L, kind in ((4, "causal"), (2, "batch"), (1, "ring"), (1, "additive")):
+        cases.append((128, 64, 8, 4, L, kind, 2 if kind == "batch" else 1, 9))
+    for D, gs, bits, n_rep, L, kind, B, tail in cases:
         n_kv, kL = 2, 3000 + int(rng.integers(0, 1000))
         if ((D + 31) // 32 * 32 if D % gs else D) % gs:
             continue  # QuantizedKVCache picks a smaller group size
         q_keys, q_values = _cache(rng, B, n_kv, kL, D, gs, bits)
+        if tail:
+            q_keys, q_values = _with_tail(rng, q_keys, q_values, tail, D)
         queries = mx.array(
             rng.standard_normal((B, n_kv * n_rep, L, D)).astype(np.float32)
         )
@@ -102,7 +112,9 @@ def check(args):
             mask = (mx.arange(kL) >= pad) & causal
         elif kind == "causal":
             mask = "causal"
-        splits = qa.decode_splits(B, n_kv, kL, -(-n_rep * L // base.DECODE_ROWS))
+        splits = qa.decode_splits(
+            B, n_kv, q_keys[0].shape[2], -(-n_rep * L // base.DECODE_ROWS)
+        )
         out = qa.quantized_decode_attention(
             queries, q_keys, q_values, 0.088, mask, gs, bits, splits
         )
@@ -112,6 +124,8 @@ def check(args):
         m = mask
         if kind == "causal":
             m = mx.arange(kL - L, kL)[:, None] >= mx.arange(kL)[None]
+        if tail:  # the old road quantizes the tail
+            q_keys, q_values = base._quantize_tail(q_keys, q_values, gs, bits)
         old = old_road(queries, q_keys, q_values, 0.088, m, gs, bits)
         finite = mx.all(mx.isfinite(out)).item()
         r = {
@@ -123,6 +137,7 @@ def check(args):
             "mask": kind,
             "B": B,
             "kL": kL,
+            "tail": tail,
             "splits": splits,
             "finite": finite,
             "rel_reference": _rel(out, ref.astype(mx.float32)),
@@ -134,6 +149,22 @@ def check(args):
         rows.append(r)
         print(f"[qdecode] check {r}", file=sys.stderr, flush=True)
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows), "worst_rel": worst}
+
+
+def _with_tail(rng, q_keys, q_values, tail, D):
+    """The keys and values as a ``QuantizedKVCache`` decode step hands them
+    out: whole buffers (room past the packed keys), its ``tail`` last keys
+    new ones in bfloat16 in a buffer of 64 (the rest garbage), the lengths."""
+    kL = q_keys[0].shape[2]
+    lengths = mx.array([kL - tail, tail], mx.int32)
+    out = []
+    for parts in (q_keys, q_values):
+        shape = (*parts[0].shape[:2], 64, D)
+        rest = mx.array(rng.standard_normal(shape).astype(np.float32))
+        pad = [(0, 0), (0, 0), (0, 300), (0, 0)]
+        packed = [mx.pad(x[:, :, : kL - tail], pad) for x in parts]
+        out.append((*packed, rest.astype(mx.bfloat16), lengths))
+    return out
 
 
 def run_side(args):

@@ -68,6 +68,11 @@ DECODE_DIMS_PER_LANE = 16
 # us against 31.9 / 51.3 / 76.2 (q4: 27.8 / 42.4 / 65.2); at 512 blocks
 # instead of 256 it was slower (46-68 us at 16k-32k).
 DECODE_MMA = True
+# Warps a block of the tensor-core kernel. H200, 32 layers chained, 32
+# query heads over 8, 4k / 16k / 32k 8-bit keys: 4 warps 114 / 125 / 146 us
+# a layer, 8 warps 113 / 133 / 166 (4 bits: 118 / 132 / 149 against 119 /
+# 137 / 154).
+DECODE_MMA_WARPS = 4
 
 _cuda_kernels = mx.cuda.is_available()
 
@@ -170,7 +175,7 @@ def _decode_launch(
     holds (1 without one)."""
     key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
     key += (splits, dtype, tail, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
-    key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA)
+    key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA, DECODE_MMA_WARPS)
     if key in _decode_launches:
         return _decode_launches[key]
     n_repeats = n_q_heads // n_kv_heads
@@ -180,17 +185,20 @@ def _decode_launch(
     dpl = DECODE_DIMS_PER_LANE
     template = [("BITS", bits), ("GS", group_size), ("W", width)]
     template += [("NREP", n_repeats), ("NQ", L), ("MASK", kind), ("CAUSAL", causal)]
-    if not mma:
+    if mma:
+        template.append(("NW", DECODE_MMA_WARPS))
+    else:
         template += [("RC", rc), ("DPL", dpl)]
         template.append(("TPK", 1 << (-(-width // dpl) - 1).bit_length()))
         template += [("KT", DECODE_KEYS_PER_ITER), ("PF", DECODE_PREFETCH)]
     first = "mma" if mma else "partial"
+    threads = 32 * DECODE_MMA_WARPS if mma else 128
     partial = dict(
         template=template,
         kernel=_decode_kernel(first, template) if _cuda_kernels else None,
         call=dict(
-            grid=(splits * 128, n_kv_heads, B * -(-rows // rc)),
-            threadgroup=(128, 1, 1),
+            grid=(splits * threads, n_kv_heads, B * -(-rows // rc)),
+            threadgroup=(threads, 1, 1),
             output_shapes=[
                 (B, n_kv_heads, splits, rows, width),
                 (B, n_kv_heads, splits, rows),
@@ -308,6 +316,7 @@ PATCH = Patch(
         DECODE_PREFETCH=DECODE_PREFETCH,
         DECODE_DIMS_PER_LANE=DECODE_DIMS_PER_LANE,
         DECODE_MMA=DECODE_MMA,
+        DECODE_MMA_WARPS=DECODE_MMA_WARPS,
         _cuda_kernels=_cuda_kernels,
         _CUDA_TYPES=_CUDA_TYPES,
         _DECODE_HEADER=_DECODE_HEADER,

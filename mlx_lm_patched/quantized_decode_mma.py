@@ -3,7 +3,7 @@
 64 and 128; its helpers are in ``quantized_decode_source``'s header. Not a
 patch: the kernel module installs it in ``mlx_lm.models.base``."""
 
-# One block: 4 warps, each taking 16 keys at a time of the block's range
+# One block: NW warps, each taking 16 keys at a time of the block's range
 # [split * per, (split + 1) * per), a KV head's query rows (up to 8) the n8
 # columns of f16 tensor-core products (mma.sync m16n8k16), transposed:
 # scores (keys x rows) with A the keys' quantized integers (exact in f16)
@@ -71,7 +71,7 @@ _DECODE_MMA = """
   const bool kvec = kc == 1 && kr % 4 == 0 && (size_t)kw_p % 16 == 0;
   const bool vvec = vc == 1 && vr % 4 == 0 && (size_t)vw_p % 16 == 0;
   const int gv = g * VD / GS;  // the group of this lane's value dims
-  __shared__ float ps[4][16][9];
+  __shared__ float ps[NW][16][9];
 
   float m[2] = {LOWEST, LOWEST}, l[2] = {0.f, 0.f};
   float o[MT][4], ob[2][NGR];
@@ -80,7 +80,7 @@ _DECODE_MMA = """
 #pragma unroll
   for (int gi = 0; gi < NGR; gi++) ob[0][gi] = ob[1][gi] = 0.f;
 
-  for (int base = k_begin + 16 * warp; base < k_end; base += 64) {
+  for (int base = k_begin + 16 * warp; base < k_end; base += 16 * NW) {
     // Keys g and g + 8 (A of the scores: rows of the m16 tile), and keys
     // 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
     uint32_t kwr[2][NGR * WPG], vwr[4][VW];
@@ -214,7 +214,7 @@ _DECODE_MMA = """
       }
     }
   }
-  __shared__ float sm[4][8], sl[4][8], so[4][8][W];
+  __shared__ float sm[NW][8], sl[NW][8], so[NW][8][W];
   if (g == 0) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -236,9 +236,9 @@ _DECODE_MMA = """
     const int row = e / W, d = e % W;
     float M = LOWEST, S = 0.f, O = 0.f;
 #pragma unroll
-    for (int j = 0; j < 4; j++) M = fmaxf(M, sm[j][row]);
+    for (int j = 0; j < NW; j++) M = fmaxf(M, sm[j][row]);
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < NW; j++) {
       const float f = __expf(sm[j][row] - M);
       S += sl[j][row] * f;
       O += so[j][row][d] * f;

@@ -147,7 +147,6 @@ class _QuantizedKVCache:
         and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
         else 0
     )
-    _keys = _values = _tail = None
     _tail_len = 0
 
     def __init__(self, group_size: int = 64, bits: int = 8):

@@ -520,3 +520,13 @@ def test_a_value_imported_from_a_module_beside_the_patch_is_written_as_there(
     assert "".join(lines) == 'BIG = """\n  a kernel;\n"""\n'
     assert rewrite._assignment_lines("OTHER", None, str(patch)) is None  # not imported
     assert rewrite._assignment_lines("SMALL", None, str(patch)) == ["SMALL = 2\n"]
+
+
+def test_a_class_patch_s_attribute_is_written_as_its_expression(tmp_path):
+    """A class attribute of a class patch (``class _Cache:`` for upstream's
+    ``Cache``) is written as the expression in its body, not as the value it
+    had where the series was generated."""
+    patch = tmp_path / "patch.py"
+    patch.write_text("class _Cache:\n    tail = 64 if on() else 0\n")
+    lines = rewrite._assignment_lines("tail", "mlx_lm.models.cache.Cache", str(patch))
+    assert lines == ["    tail = 64 if on() else 0\n"]

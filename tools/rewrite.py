@@ -69,8 +69,9 @@ def _assignment_lines(attr: str, cls: Optional[str], origin) -> Optional[List[st
         return None
     text = Path(origin).read_text()
     body = parse(text).body
-    if cls is not None:
-        node = find_class(text, cls.split(".")[-1])
+    if cls is not None:  # written as the class, or as ``_Class`` (a class patch)
+        name = cls.split(".")[-1]
+        node = find_class(text, name) or find_class(text, "_" + name)
         body = node.body if node is not None else []
     lines = lines_of(text)
     for stmt in body:

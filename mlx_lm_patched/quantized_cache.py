@@ -187,18 +187,17 @@ class _QuantizedKVCache:
         self._values, self._tail_len = v, 0
 
     def update_and_fetch(self, keys, values):
-        if keys.shape[2] <= 8 and (self._tail is not None or self._start_tail()):
+        B, n_kv_heads, num_steps, k_head_dim = keys.shape
+        if num_steps <= 8 and (self._tail is not None or self._start_tail()):
             tk, tv = self._tail
-            ks, vs = keys.shape, values.shape
+            vs = values.shape
             if (
-                ks[:2] == tk.shape[:2]
-                and ks[3] == tk.shape[3]
-                and vs[:3] == ks[:3]
+                (B, n_kv_heads, k_head_dim) == (*tk.shape[:2], tk.shape[3])
+                and vs[:3] == (B, n_kv_heads, num_steps)
                 and vs[3] == tv.shape[3]
                 and keys.dtype == values.dtype == tk.dtype
             ):
                 return self._tail_update(keys, values)
-        B, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
         dtype = str(keys.dtype).rpartition(".")[2]
         if (

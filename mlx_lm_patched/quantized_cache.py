@@ -188,17 +188,16 @@ class _QuantizedKVCache:
 
     def update_and_fetch(self, keys, values):
         B, n_kv_heads, num_steps, k_head_dim = keys.shape
+        v_head_dim = values.shape[-1]
         if num_steps <= 8 and (self._tail is not None or self._start_tail()):
             tk, tv = self._tail
-            vs = values.shape
             if (
-                (B, n_kv_heads, k_head_dim) == (*tk.shape[:2], tk.shape[3])
-                and vs[:3] == (B, n_kv_heads, num_steps)
-                and vs[3] == tv.shape[3]
+                (B, n_kv_heads, k_head_dim, v_head_dim)
+                == (*tk.shape[:2], tk.shape[3], tv.shape[3])
+                and values.shape[:3] == (B, n_kv_heads, num_steps)
                 and keys.dtype == values.dtype == tk.dtype
             ):
                 return self._tail_update(keys, values)
-        v_head_dim = values.shape[-1]
         dtype = str(keys.dtype).rpartition(".")[2]
         if (
             keys.shape[:3] != values.shape[:3]

@@ -188,7 +188,7 @@ def _quantize_tail(q_keys, q_values, group_size, bits):
     ``QuantizedKVCache`` decode step hands out with its tail (the whole
     buffers, the tail, the lengths): the tail quantized after the packed
     tokens, the bits the cache will hold."""
-    quantized, tail = q_keys[4].tolist()
+    quantized, tail = (n - 1 for n in q_keys[4].shape)  # see _decode_lengths
     out = []
     for *parts, rest, _ in (q_keys, q_values):
         width = parts[0].shape[-1] * 32 // bits

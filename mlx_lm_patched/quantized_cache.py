@@ -129,12 +129,14 @@ _decode_lengths_made = {}
 
 
 def _decode_lengths(quantized, tail):
-    """An int32 array of the two lengths, made once a step (a step's layers
-    share it)."""
+    """An array of shape ``(quantized + 1, tail + 1)`` (a broadcast scalar:
+    the decode kernel reads the lengths off its shape), made once a step (a
+    step's layers share it)."""
     key = (quantized, tail)
     if key not in _decode_lengths_made:
         _decode_lengths_made.clear()
-        _decode_lengths_made[key] = mx.array(key, dtype=mx.int32)
+        one = mx.zeros((1, 1), mx.int32)
+        _decode_lengths_made[key] = mx.broadcast_to(one, (quantized + 1, tail + 1))
     return _decode_lengths_made[key]
 
 
@@ -278,8 +280,8 @@ class _QuantizedKVCache:
         """Write a decode step's tokens into the tail (quantizing it first if
         they do not fit); the buffers for ``quantized_decode_attention``:
         ``(packed, scales, biases, tail, lengths)`` of keys and of values,
-        the tokens ``[0, lengths[0])`` packed and the next ``lengths[1]`` in
-        the tail."""
+        the tokens ``[0, quantized)`` packed and the next ``tail`` in the
+        tail (``_decode_lengths``)."""
         tk, tv = self._tail
         n = keys.shape[2]
         if self._tail_len + n > tk.shape[2]:

@@ -242,9 +242,9 @@ def quantized_decode_attention(
         *q_keys, tk, lengths = q_keys
         *q_values, tv, _ = q_values
         tail = tk.shape[2]
-    else:  # lengths -1: the kernels take the views' own
+    else:  # lengths of shape (1, ...): the kernels take the views' own
         tk = tv = _decode_constant(0, queries.dtype)
-        lengths, tail = _decode_constant(-1, mx.int32), 1
+        lengths, tail = _decode_constant(0, mx.int32), 1
     _, n_kv_heads, kL, packed = q_keys[0].shape
     rows = n_q_heads // n_kv_heads * L
     chunks = 1 if _decode_mma(rows, packed * 32 // bits) else -(-rows // DECODE_ROWS)

@@ -27,7 +27,7 @@ _DECODE_MMA = """
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
   const int D = q_shape[3];
   int kL, k_begin, k_end;
-  key_range(lens, kw_shape[2], split, n_splits, kL, k_begin, k_end);
+  key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const float sc = scale[0];
 
   // B of the scores: query row g (column g), a group's dims a k16 chunk at

@@ -20,7 +20,7 @@ def decode_attention_reference(
     B, n_q_heads, L, D = queries.shape
     tail = 0
     if len(q_keys) == 5:
-        kL, tail = q_keys[4].tolist()
+        kL, tail = (n - 1 for n in q_keys[4].shape)
         rest = [x[3][:, :, :tail].astype(mx.float32) for x in (q_keys, q_values)]
         q_keys, q_values = ([p[:, :, :kL] for p in x[:3]] for x in (q_keys, q_values))
     n_kv_heads, kL = q_keys[0].shape[-3], q_keys[0].shape[-2]

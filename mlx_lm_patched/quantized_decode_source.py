@@ -5,13 +5,15 @@ installs these strings in ``mlx_lm.models.base`` with its functions."""
 _DECODE_HEADER = """
 #define LOWEST (-3.402823466e+38f)
 #define NEG_INF (__int_as_float(0xff800000))
-// The keys [k_begin, k_end) of a block's range, of the packed ones: lens
-// holds the packed and tail counts, or lens[0] < 0 for the packed views'
-// length (``viewed``) and no tail; kL counts the tail's keys too.
+// The keys [k_begin, k_end) of a block's range, of the packed ones: the
+// lengths array's shape is one more than the packed and tail counts, or
+// (1, 1): the packed views' own length (``viewed``), no tail. kL counts the
+// tail's keys too. (Read off shapes, kernel parameters: a loaded count
+// took registers the kernel's loop lacks.)
 __device__ __forceinline__ void key_range(
-    const int32_t* lens, int viewed, int split, int n_splits, int& kL, int& k_begin, int& k_end) {
-  const int kQ = lens[0] < 0 ? viewed : lens[0];
-  kL = lens[0] < 0 ? kQ : kQ + lens[1];
+    int q1, int t1, int viewed, int split, int n_splits, int& kL, int& k_begin, int& k_end) {
+  const int kQ = t1 > 1 ? q1 - 1 : viewed;
+  kL = kQ + t1 - 1;
   const int per = (kQ + n_splits - 1) / n_splits;
   k_begin = split * per;
   k_end = min(kQ, k_begin + per);
@@ -113,7 +115,7 @@ _DECODE_PARTIAL = """
   const int group = threadIdx.x / TPK, lane = threadIdx.x % TPK;
   const int D = q_shape[3];
   int kL, k_begin, k_end;
-  key_range(lens, kw_shape[2], split, n_splits, kL, k_begin, k_end);
+  key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const int d0 = lane * DPL;
   const bool active = d0 < W;
   const float sc = scale[0];
@@ -290,9 +292,9 @@ _DECODE_REDUCE = """
   const int n_splits = m_part_shape[2];
   const size_t part = (size_t)(b * (gridDim.y / R) + kvh) * n_splits * R + row;
   __shared__ float f[MAX_SPLITS], red[32], ts[TAIL];
-  // The tail's scores (lens[1] keys after the lens[0] packed ones, in the
-  // cache dtype): warp w takes keys w, w + nt / 32, ..., lane i dims i, i + 32, ...
-  const int n_tail = lens[0] < 0 ? 0 : lens[1], kQ = lens[0], kL = kQ + n_tail;
+  // The tail's scores (its keys after the packed ones, in the cache dtype;
+  // see key_range): warp w takes keys w, w + nt / 32, ..., lane i dims i, i + 32, ...
+  const int n_tail = lens_shape[1] - 1, kQ = lens_shape[0] - 1, kL = kQ + n_tail;
   const float sc = scale[0];
   for (int j = d / 32; j < n_tail; j += nt / 32) {
     float x = 0.f;

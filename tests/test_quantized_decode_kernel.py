@@ -7,7 +7,7 @@ checked on a GPU by ``python -m mlx_lm_patched.bench qdecode`` (its
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import base
+from mlx_lm.models import base, cache
 from mlx_lm.models.cache import RotatingKVCache
 from ringref import fake_backend, random_kv, single_stream
 
@@ -71,7 +71,7 @@ def test_a_cache_s_tail_is_one_more_range_read_as_it_is(D, group_size, L, mask):
     q_keys, q_values = quantized_cache(1, 2, 240, D, group_size, 4)
     tails = random_kv(1, 2, 16, D)
     queries = mx.array(rng.standard_normal((1, 8, L, D), dtype=np.float32))
-    lengths = mx.array([200, 11], mx.int32)
+    lengths = cache._decode_lengths(200, 11)
     five = [(*p, t, lengths) for p, t in zip((q_keys, q_values), tails)]
     keys, values = (
         mx.concatenate(

@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models import base
+from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
@@ -156,7 +157,7 @@ def _with_tail(rng, q_keys, q_values, tail, D):
     out: whole buffers (room past the packed keys), its ``tail`` last keys
     new ones in bfloat16 in a buffer of 64 (the rest garbage), the lengths."""
     kL = q_keys[0].shape[2]
-    lengths = mx.array([kL - tail, tail], mx.int32)
+    lengths = cache_module._decode_lengths(kL - tail, tail)
     out = []
     for parts in (q_keys, q_values):
         shape = (*parts[0].shape[:2], 64, D)

@@ -40,7 +40,6 @@ below the bfloat16 cache's speed there. Everything else (``keys``,
 """
 
 import os
-
 from typing import TYPE_CHECKING
 
 import mlx.core as mx

@@ -27,11 +27,14 @@ tests check on CPU; ``python -m mlx_lm_patched.bench qdecode`` checks the
 kernels on a GPU. On an H100 (ncu, 32 query heads over 8, head dim 128)
 the tensor-core kernel takes 40 / 60 us a layer at 16k / 32k 8-bit keys,
 the float one 51 / 76, fused attention over the bfloat16 cache 36 / 60;
-decode runs at 0.64-0.92x the bfloat16 cache's tokens per second (4k-32k):
-a step is bound by the cache's update (a quantize and six writes a layer
-against two writes) and the host. ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps
-the old road. Prefill chunks keep the road above. Metal and CPU are
-untouched.
+decode ran at 0.64-0.92x the bfloat16 cache's tokens per second (4k-32k),
+bound by the cache's update (a quantize and six writes a layer against two
+writes) and the host. A ``QuantizedKVCache`` decode step now hands the
+kernels its whole buffers, its tail of unquantized tokens (read in the
+merge kernel, in float32) and their lengths as an array's shape
+(``QuantizedKVCache._tail_update``): 0.88-1.05x. ``MLX_LM_PATCHED_DECODE_KERNEL=0``
+keeps the old road (and no tail). Prefill chunks keep the road above.
+Metal and CPU are untouched.
 """
 
 import os

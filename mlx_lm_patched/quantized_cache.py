@@ -32,8 +32,9 @@ once: its tokens wait in a small buffer of the cache dtype, the tail, and
 are quantized ``decode_tail`` (64) at a time, into the same bits as one by
 one. The step writes two slices, as ``KVCache`` does, instead of two
 quantizes and six writes, and ``update_and_fetch`` hands attention the
-whole buffers, the tail and a length pair (``_decode_lengths``) instead of
-six slices: ``quantized_decode_attention`` reads the tail as it is. A
+whole buffers, the tail and an array whose shape carries the two lengths
+(``_decode_lengths``) instead of six slices: ``quantized_decode_attention``
+reads the tail as it is. A
 decode step's cache work and its host time were what kept ``--kv-bits``
 below the bfloat16 cache's speed there. Everything else (``keys``,
 ``state``, ``trim``, ``nbytes``, ...) sees the tail quantized first.

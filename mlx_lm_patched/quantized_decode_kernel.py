@@ -30,9 +30,12 @@ the float one 51 / 76, fused attention over the bfloat16 cache 36 / 60;
 decode ran at 0.64-0.92x the bfloat16 cache's tokens per second (4k-32k),
 bound by the cache's update (a quantize and six writes a layer against two
 writes) and the host. A ``QuantizedKVCache`` decode step now hands the
-kernels its whole buffers, its tail of unquantized tokens (read in the
-merge kernel, in float32) and their lengths as an array's shape
-(``QuantizedKVCache._tail_update``): 0.88-1.05x. ``MLX_LM_PATCHED_DECODE_KERNEL=0``
+kernels its whole buffers, its tail of unquantized tokens and their
+lengths as an array's shape (``QuantizedKVCache._tail_update``): 0.88-1.05x.
+The tail is one more range, read by a block of its own in float32
+(``tail_range``), so the merge kernel only merges: it took 11-22 us a layer
+with the tail in it (H200, by the tail's length), 5.4-6.1 without.
+``MLX_LM_PATCHED_DECODE_KERNEL=0``
 keeps the old road (and no tail). Prefill chunks keep the road above.
 Metal and CPU are untouched.
 """
@@ -43,7 +46,12 @@ import mlx.core as mx
 
 from ._registry import Patch, pasted_into, targets
 from .quantized_decode_mma import _DECODE_MMA
-from .quantized_decode_source import _DECODE_HEADER, _DECODE_PARTIAL, _DECODE_REDUCE
+from .quantized_decode_source import (
+    _DECODE_DEFINES,
+    _DECODE_HEADER,
+    _DECODE_PARTIAL,
+    _DECODE_REDUCE,
+)
 
 # Query rows (query heads of a KV head times queries) a block keeps at once.
 DECODE_ROWS = 4
@@ -92,11 +100,12 @@ def _decode_kernel(name, template):
     comments or indentation."""
     key = (name, tuple(template))
     if key not in _decode_kernels:
-        inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "lens", "mask", "scale"]
+        inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "lens"]
+        inputs += ["mask", "scale"]
         outputs = ["o_part", "m_part", "l_part"]
+        header = _DECODE_HEADER
         if name == "reduce":
-            inputs = outputs + ["q", "tk", "tv", "lens", "mask", "scale"]
-            outputs = ["out"]
+            inputs, outputs, header = outputs, ["out"], _DECODE_DEFINES
         source = {"partial": _DECODE_PARTIAL, "mma": _DECODE_MMA}
         source = source.get(name, _DECODE_REDUCE)
         constants = [
@@ -113,7 +122,7 @@ def _decode_kernel(name, template):
             input_names=inputs,
             output_names=outputs,
             source=source,
-            header=_minified(_DECODE_HEADER),
+            header=_minified(header),
             ensure_row_contiguous=False,
         )
     return _decode_kernels[key]
@@ -147,13 +156,14 @@ def use_decode_kernel(queries, bits) -> bool:
     half-precision queries. Setting
     ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps every call on fused attention
     over dequantized keys."""
+    _, _, L, D = queries.shape
     return (
         _cuda_kernels
-        and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
-        and queries.shape[2] <= DECODE_MAX_QUERIES
-        and queries.shape[3] <= 128
+        and L <= DECODE_MAX_QUERIES
+        and D <= 128
         and bits in (4, 8)
         and queries.dtype in (mx.bfloat16, mx.float16)
+        and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
     )
 
 
@@ -186,8 +196,9 @@ def _decode_launch(
     mma = _decode_mma(rows, width)
     rc = rows if mma else min(DECODE_ROWS, rows)
     dpl = DECODE_DIMS_PER_LANE
-    template = [("BITS", bits), ("GS", group_size), ("W", width)]
+    template = [("BITS", bits), ("GS", group_size), ("W", width), ("D", D)]
     template += [("NREP", n_repeats), ("NQ", L), ("MASK", kind), ("CAUSAL", causal)]
+    template.append(("TAIL", tail))
     if mma:
         template.append(("NW", DECODE_MMA_WARPS))
     else:
@@ -196,23 +207,23 @@ def _decode_launch(
         template += [("KT", DECODE_KEYS_PER_ITER), ("PF", DECODE_PREFETCH)]
     first = "mma" if mma else "partial"
     threads = 32 * DECODE_MMA_WARPS if mma else 128
+    parts = splits + (tail > 1)  # a tail's block after the ranges'
     partial = dict(
         template=template,
         kernel=_decode_kernel(first, template) if _cuda_kernels else None,
         call=dict(
-            grid=(splits * threads, n_kv_heads, B * -(-rows // rc)),
+            grid=(parts * threads, n_kv_heads, B * -(-rows // rc)),
             threadgroup=(threads, 1, 1),
             output_shapes=[
-                (B, n_kv_heads, splits, rows, width),
-                (B, n_kv_heads, splits, rows),
-                (B, n_kv_heads, splits, rows),
+                (B, n_kv_heads, parts, rows, width),
+                (B, n_kv_heads, parts, rows),
+                (B, n_kv_heads, parts, rows),
             ],
             output_dtypes=[mx.float32] * 3,
         ),
     )
     template = [("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
-    template += [("MAX_SPLITS", max(splits, DECODE_BLOCKS)), ("TAIL", tail)]
-    template += [("MASK", kind), ("CAUSAL", causal)]
+    template.append(("MAX_SPLITS", max(parts, DECODE_BLOCKS)))
     reduce = dict(
         template=template,
         kernel=_decode_kernel("reduce", template) if _cuda_kernels else None,
@@ -276,12 +287,9 @@ def quantized_decode_attention(
         tail,
     )
     scale = _decode_constant(scale, mx.float32)
-    parts = partial["kernel"](
-        inputs=[queries, *q_keys, *q_values, lengths, mask, scale], **partial["call"]
-    )
-    return reduce["kernel"](
-        inputs=[*parts, queries, tk, tv, lengths, mask, scale], **reduce["call"]
-    )[0]
+    inputs = [queries, *q_keys, *q_values, tk, tv, lengths, mask, scale]
+    parts = partial["kernel"](inputs=inputs, **partial["call"])
+    return reduce["kernel"](inputs=parts, **reduce["call"])[0]
 
 
 # Written as they read in mlx_lm/models/base.py, and run from there.
@@ -322,6 +330,7 @@ PATCH = Patch(
         DECODE_MMA_WARPS=DECODE_MMA_WARPS,
         _cuda_kernels=_cuda_kernels,
         _CUDA_TYPES=_CUDA_TYPES,
+        _DECODE_DEFINES=_DECODE_DEFINES,
         _DECODE_HEADER=_DECODE_HEADER,
         _DECODE_PARTIAL=_DECODE_PARTIAL,
         _DECODE_REDUCE=_DECODE_REDUCE,

@@ -22,10 +22,16 @@ _DECODE_MMA = """
   constexpr int VD = W / 8;
   constexpr int VW = VD * BITS / 32;
   constexpr int MT = W / 16;
-  const int split = blockIdx.x, n_splits = gridDim.x;
+  const int split = blockIdx.x, parts = gridDim.x, n_splits = parts - (TAIL > 1);
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-  const int D = q_shape[3];
+  if (split == n_splits) {  // the last block, with a tail
+    tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK>(
+        q, q_strides, tk, tk_strides, tv, tv_strides, mask, mask_strides, b, kvh, 0,
+        lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
+        ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
+    return;
+  }
   int kL, k_begin, k_end;
   key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const float sc = scale[0];
@@ -231,7 +237,7 @@ _DECODE_MMA = """
     }
   }
   __syncthreads();
-  const size_t part = ((size_t)(b * gridDim.y + kvh) * n_splits + split) * R;
+  const size_t part = ((size_t)(b * gridDim.y + kvh) * parts + split) * R;
   for (int e = threadIdx.x; e < R * W; e += blockDim.x) {
     const int row = e / W, d = e % W;
     float M = LOWEST, S = 0.f, O = 0.f;

@@ -2,9 +2,12 @@
 ``mx.fast.cuda_kernel`` at first use. Not a patch: the kernel module
 installs these strings in ``mlx_lm.models.base`` with its functions."""
 
-_DECODE_HEADER = """
+_DECODE_DEFINES = """
 #define LOWEST (-3.402823466e+38f)
 #define NEG_INF (__int_as_float(0xff800000))
+"""
+
+_DECODE_HEADER = _DECODE_DEFINES + """
 // The keys [k_begin, k_end) of a block's range, of the packed ones: the
 // lengths array's shape is one more than the packed and tail counts, or
 // (1, 1): the packed views' own length (``viewed``), no tail. kL counts the
@@ -99,6 +102,91 @@ __device__ __forceinline__ void load_words(
     for (int j = 0; j < N; j++) dst[j] = p[j * stride];
   }
 }
+// The tail's keys and values (after the packed ones, in the cache dtype:
+// see key_range) as one more range, in float32, by a block of its own:
+// rows [r0, r0 + RR) of KV head kvh; its output, maximum and sum go to
+// part + row as a range's do.
+template <int W, int D, int NREP, int NQ, int RR, int TAIL, bool CAUSAL, int MASK,
+          typename QT, typename KT, typename M, typename S, typename SM>
+__device__ void tail_range(
+    const QT* q, const S& qs, const KT* tk, const S& tks, const KT* tv, const S& tvs,
+    const M* mask, const SM& ms, int b, int kvh, int r0, int n_tail, int kQ, float sc,
+    float* o_part, float* m_part, float* l_part, size_t part) {
+  constexpr int R = NREP * NQ, DH = (D + 1) / 2;
+  __shared__ float qsh[RR][2 * DH], p[RR][TAIL], pm[RR], pl[RR];
+  const int tid = threadIdx.x, nt = blockDim.x, kL = kQ + n_tail;
+  for (int e = tid; e < RR * 2 * DH; e += nt) {
+    const int r = e / (2 * DH), d = e % (2 * DH), row = r0 + r;
+    const int h = kvh * NREP + row / NQ, t = row % NQ;
+    qsh[r][d] = row < R && d < D ? float(q[b * qs[0] + h * qs[1] + t * qs[2] + d * qs[3]]) : 0.f;
+  }
+  __syncthreads();
+  // Two threads a key, each half its dims (loaded at once): its scores.
+  for (int j0 = 0; j0 < n_tail; j0 += nt / 2) {
+    const int j = j0 + tid / 2, half = tid % 2;
+    const auto* kp = tk + b * tks[0] + kvh * tks[1] + j * tks[2];
+    float x[DH];
+#pragma unroll
+    for (int i = 0; i < DH; i++) {
+      const int d = half * DH + i;
+      x[i] = j < n_tail && d < D ? float(kp[d * tks[3]]) : 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < RR; r++) {
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < DH; i++) acc += qsh[r][half * DH + i] * x[i];
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      const int row = r0 + r;
+      if (half == 0 && j < n_tail) {
+        p[r][j] = row < R ? mask_score<CAUSAL, MASK>(
+            acc * sc, mask, ms, b, kvh * NREP + row / NQ, row % NQ, kQ + j, kL, NQ) : NEG_INF;
+      }
+    }
+  }
+  __syncthreads();
+  // A warp a row: its maximum, probabilities and sum.
+  for (int r = tid / 32; r < RR; r += nt / 32) {
+    float m = LOWEST, l = 0.f;
+    for (int j = tid % 32; j < n_tail; j += 32) m = fmaxf(m, p[r][j]);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    for (int j = tid % 32; j < n_tail; j += 32) {
+      p[r][j] = __expf(p[r][j] - m);
+      l += p[r][j];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
+    pm[r] = m, pl[r] = l;
+  }
+  __syncthreads();
+  // A thread a dim: the rows' outputs.
+  for (int d = tid; d < W; d += nt) {
+    float o[RR];
+#pragma unroll
+    for (int r = 0; r < RR; r++) o[r] = 0.f;
+    const auto* vp = tv + b * tvs[0] + kvh * tvs[1] + d * tvs[3];
+    for (int j0 = 0; j0 < n_tail; j0 += 16) {  // 16 values loaded at once
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+        v[i] = d < D && j0 + i < n_tail ? float(vp[(j0 + i) * tvs[2]]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; i++) {
+#pragma unroll
+        for (int r = 0; r < RR; r++) o[r] += j0 + i < n_tail ? p[r][j0 + i] * v[i] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RR; r++) {
+      if (r0 + r < R) {
+        o_part[(part + r0 + r) * W + d] = o[r];
+        if (d == 0) m_part[part + r0 + r] = pm[r], l_part[part + r0 + r] = pl[r];
+      }
+    }
+  }
+}
 """
 
 # One block: 128 threads, groups of TPK lanes a key, DPL dims a lane; the
@@ -110,10 +198,16 @@ _DECODE_PARTIAL = """
   constexpr int WPL = WPT * DPL / 8;
   constexpr int NG = 128 / TPK;
   constexpr int NRC = (R + RC - 1) / RC;
-  const int split = blockIdx.x, n_splits = gridDim.x;
+  const int split = blockIdx.x, parts = gridDim.x, n_splits = parts - (TAIL > 1);
   const int kvh = blockIdx.y, b = blockIdx.z / NRC, rc = blockIdx.z % NRC;
   const int group = threadIdx.x / TPK, lane = threadIdx.x % TPK;
-  const int D = q_shape[3];
+  if (split == n_splits) {  // the last block, with a tail
+    tail_range<W, D, NREP, NQ, RC, TAIL, CAUSAL, MASK>(
+        q, q_strides, tk, tk_strides, tv, tv_strides, mask, mask_strides, b, kvh, rc * RC,
+        lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
+        ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
+    return;
+  }
   int kL, k_begin, k_end;
   key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const int d0 = lane * DPL;
@@ -263,7 +357,7 @@ _DECODE_PARTIAL = """
     for (int i = 0; i < DPL; i++) so[r][group][d0 + i] = (acc[r][i] + accb[r]) * f;
   }
   __syncthreads();
-  const size_t part = ((size_t)(b * gridDim.y + kvh) * n_splits + split) * R;
+  const size_t part = ((size_t)(b * gridDim.y + kvh) * parts + split) * R;
   for (int e = threadIdx.x; e < RC * W; e += 128) {
     const int r = e / W, d = e % W, row = rc * RC + r;
     if (row >= R) continue;
@@ -288,30 +382,11 @@ _DECODE_REDUCE = """
   constexpr int R = NREP * NQ;
   const int d = threadIdx.x, nt = blockDim.x;
   const int kvh = blockIdx.y / R, row = blockIdx.y % R, b = blockIdx.z;
-  const int h = kvh * NREP + row / NQ, t = row % NQ;
   const int n_splits = m_part_shape[2];
   const size_t part = (size_t)(b * (gridDim.y / R) + kvh) * n_splits * R + row;
-  __shared__ float f[MAX_SPLITS], red[32], ts[TAIL];
-  // The tail's scores (its keys after the packed ones, in the cache dtype;
-  // see key_range): warp w takes keys w, w + nt / 32, ..., lane i dims i, i + 32, ...
-  const int n_tail = lens_shape[1] - 1, kQ = lens_shape[0] - 1, kL = kQ + n_tail;
-  const float sc = scale[0];
-  for (int j = d / 32; j < n_tail; j += nt / 32) {
-    float x = 0.f;
-    for (int e = d % 32; e < D; e += 32) {
-      x += float(q[b * q_strides[0] + h * q_strides[1] + t * q_strides[2] + e * q_strides[3]]) *
-          float(tk[b * tk_strides[0] + kvh * tk_strides[1] + j * tk_strides[2] + e * tk_strides[3]]);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-    if (d % 32 == 0) {
-      ts[j] = mask_score<CAUSAL, MASK>(x * sc, mask, mask_strides, b, h, t, kQ + j, kL, NQ);
-    }
-  }
-  __syncthreads();
+  __shared__ float f[MAX_SPLITS], red[32];
   float M = LOWEST;
   for (int s = d; s < n_splits; s += nt) M = fmaxf(M, m_part[part + s * R]);
-  for (int j = d; j < n_tail; j += nt) M = fmaxf(M, ts[j]);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
   if (d % 32 == 0) red[d / 32] = M;
@@ -322,10 +397,6 @@ _DECODE_REDUCE = """
   for (int s = d; s < n_splits; s += nt) {
     f[s] = __expf(m_part[part + s * R] - M);
     S += l_part[part + s * R] * f[s];
-  }
-  for (int j = d; j < n_tail; j += nt) {
-    ts[j] = __expf(ts[j] - M);
-    S += ts[j];
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) S += __shfl_xor_sync(0xffffffffu, S, off);
@@ -338,9 +409,7 @@ _DECODE_REDUCE = """
 #pragma unroll 16
   for (int s = 0; s < n_splits; s++) O += o_part[(part + s * R) * W + d] * f[s];
   if (d < D) {
-    for (int j = 0; j < n_tail; j++) {
-      O += ts[j] * float(tv[b * tv_strides[0] + kvh * tv_strides[1] + j * tv_strides[2] + d * tv_strides[3]]);
-    }
+    const int h = kvh * NREP + row / NQ, t = row % NQ;
     out[((b * (gridDim.y / R) * NREP + h) * NQ + t) * D + d] = T(S > 0.f ? O / S : 0.f);
   }
 """

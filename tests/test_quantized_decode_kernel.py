@@ -172,6 +172,24 @@ def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
     assert qa._decode_launch(*args)[0] == "mma"
 
 
+@pytest.mark.parametrize("mma", [True, False])
+def test_a_tail_is_one_more_range_of_the_first_kernel(monkeypatch, mma):
+    """A cache's tail (``tail`` > 1) takes a block of its own after the
+    ranges' (one more partial result a KV head); the merge kernel reads the
+    partial results alone."""
+    monkeypatch.setattr(base, "DECODE_MMA", mma)
+    args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16)
+    _, plain, _ = qa._decode_launch(*args)
+    _, tailed, reduce = qa._decode_launch(*args, 64)
+    threads = plain["call"]["threadgroup"][0]
+    assert plain["call"]["grid"][0] == 16 * threads
+    assert tailed["call"]["grid"][0] == 17 * threads
+    assert [s[2] for s in tailed["call"]["output_shapes"]] == [17] * 3
+    assert ("TAIL", 64) in tailed["template"]
+    assert dict(reduce["template"])["MAX_SPLITS"] >= 17
+    assert "TAIL" not in dict(reduce["template"])
+
+
 @pytest.mark.parametrize(
     "n_q_heads, L, width, kernel",
     [

@@ -23,6 +23,9 @@ Three parts, one JSON:
   and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road).
   Decode tokens/s, prefill seconds, the prefill's peak above the weights,
   and whether the greedy tokens equal the old road's.
+- ``turns``: decode tokens/s of ``bf16``, ``q8`` and ``q4`` in one process,
+  the sides taking turns ``--rounds`` times (each side's median), as
+  ``e2e`` runs them otherwise.
 
     python -m mlx_lm_patched.bench qdecode [--out qdecode.json] [--parts check,attention,e2e]
 """
@@ -256,6 +259,52 @@ def run_side(args):
     return result
 
 
+def turns(args):
+    """Decode tokens/s of the sides in one process, over one model, the sides
+    taking turns ``--rounds`` times after a round to warm up: a side's
+    median. Between processes a side's speed moved by up to 20% (the host's
+    share of a step); within one, the sides meet the same host. Sides of
+    the old road are left to ``e2e`` (its switch is read at import)."""
+    mx.random.seed(0)
+    model = build_model(args)
+    sides = [s for s in args.sides if SIDES[s][1] == "1"]
+    out = {}
+    for n in args.prompts:
+        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+        runs = {s: [] for s in sides}
+        for r in range(args.rounds + 1):
+            for side in sides:
+                _fresh()
+                gen = generate_step(
+                    prompt,
+                    model,
+                    prompt_cache=make_prompt_cache(model),
+                    max_tokens=args.decode,
+                    sampler=lambda x: mx.argmax(x, axis=-1),
+                    kv_bits=SIDES[side][0],
+                    kv_group_size=64,
+                    quantized_kv_start=0,
+                    prefill_step_size=args.chunk,
+                )
+                next(gen)
+                tic, count = time.perf_counter(), sum(1 for _ in gen)
+                if r:
+                    runs[side].append(round(count / (time.perf_counter() - tic), 2))
+                del gen
+        row = {
+            s: {"decode_tok_s": float(np.median(v)), "rounds": v}
+            for s, v in runs.items()
+        }
+        if "bf16" in row:
+            for s in sides:
+                row[s]["over_bf16"] = round(
+                    row[s]["decode_tok_s"] / row["bf16"]["decode_tok_s"], 3
+                )
+        out[str(n)] = row
+        print(f"[qdecode] turns {n} {row}", file=sys.stderr, flush=True)
+    return out
+
+
 def e2e(args):
     """Each side's process ``--rounds`` times, the sides taking turns; a
     side's decode tokens/s is its median over the rounds (a process's figure
@@ -364,7 +413,7 @@ def build_parser():
     p.add_argument("--prompts", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=1, help="e2e: each side's runs")
+    p.add_argument("--rounds", type=int, default=1, help="e2e, turns: a side's runs")
     p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)
     p.add_argument("--kt", type=int, default=qa.DECODE_KEYS_PER_ITER)
     p.add_argument("--pf", type=int, default=int(qa.DECODE_PREFETCH))
@@ -391,6 +440,7 @@ def main(argv=None):
         "attention": attention,
         "steps": layer_steps,
         "e2e": e2e,
+        "turns": turns,
     }
     for name in args.parts:
         result[name] = parts[name](args)

@@ -171,6 +171,23 @@ def _with_tail(rng, q_keys, q_values, tail, D):
     return out
 
 
+def _greedy(model, prompt, args, kv_bits, cache, measured=True):
+    """``generate_step`` as every side runs it: greedy, the cache quantized
+    from the first token (``kv_bits``), ``--chunk``-token prefill steps,
+    ``--decode`` tokens (8 to warm up)."""
+    return generate_step(
+        prompt,
+        model,
+        prompt_cache=cache,
+        max_tokens=args.decode if measured else 8,
+        sampler=lambda x: mx.argmax(x, axis=-1),
+        kv_bits=kv_bits,
+        kv_group_size=64,
+        quantized_kv_start=0,
+        prefill_step_size=args.chunk,
+    )
+
+
 def run_side(args):
     """One side, in this process: each prompt once to warm up, once measured."""
     kv_bits, _ = SIDES[args.side]
@@ -187,17 +204,7 @@ def run_side(args):
             mx.reset_peak_memory()
             tic = time.perf_counter()
             cache = make_prompt_cache(model)
-            gen = generate_step(
-                prompt,
-                model,
-                prompt_cache=cache,
-                max_tokens=args.decode if measured else 8,
-                sampler=lambda x: mx.argmax(x, axis=-1),
-                kv_bits=kv_bits,
-                kv_group_size=64,
-                quantized_kv_start=0,
-                prefill_step_size=args.chunk,
-            )
+            gen = _greedy(model, prompt, args, kv_bits, cache, measured)
             tokens = [next(gen)[0]]
             prefill_s = time.perf_counter() - tic
             prefill_peak = _peak(weights)
@@ -220,16 +227,7 @@ def run_side(args):
         del cache, logits
         result[str(n)] = {}
         if args.side.endswith("_old"):  # how close the old road's picks were
-            gen = generate_step(
-                prompt,
-                model,
-                max_tokens=args.decode,
-                sampler=lambda x: mx.argmax(x, axis=-1),
-                kv_bits=kv_bits,
-                kv_group_size=64,
-                quantized_kv_start=0,
-                prefill_step_size=args.chunk,
-            )
+            gen = _greedy(model, prompt, args, kv_bits, make_prompt_cache(model))
             margins = []
             for _, logprobs in gen:
                 top = mx.topk(logprobs, 2)
@@ -275,16 +273,8 @@ def turns(args):
         for r in range(args.rounds + 1):
             for side in sides:
                 _fresh()
-                gen = generate_step(
-                    prompt,
-                    model,
-                    prompt_cache=make_prompt_cache(model),
-                    max_tokens=args.decode,
-                    sampler=lambda x: mx.argmax(x, axis=-1),
-                    kv_bits=SIDES[side][0],
-                    kv_group_size=64,
-                    quantized_kv_start=0,
-                    prefill_step_size=args.chunk,
+                gen = _greedy(
+                    model, prompt, args, SIDES[side][0], make_prompt_cache(model)
                 )
                 next(gen)
                 tic, count = time.perf_counter(), sum(1 for _ in gen)

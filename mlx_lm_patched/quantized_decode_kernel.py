@@ -35,9 +35,8 @@ lengths as an array's shape (``QuantizedKVCache._tail_update``): 0.88-1.05x.
 The tail is one more range, read by a block of its own in float32
 (``tail_range``), so the merge kernel only merges: it took 11-22 us a layer
 with the tail in it (H200, by the tail's length), 5.4-6.1 without.
-``MLX_LM_PATCHED_DECODE_KERNEL=0``
-keeps the old road (and no tail). Prefill chunks keep the road above.
-Metal and CPU are untouched.
+``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps the old road (and no tail).
+Prefill chunks keep the road above. Metal and CPU are untouched.
 """
 
 import os

@@ -1,7 +1,7 @@
 """Quantized decode on CUDA: the kernel over the packed cache against the
 bfloat16 cache and against fused attention over dequantized keys.
 
-Three parts, one JSON:
+Its parts, one JSON:
 
 - ``check``: the kernel (``quantized_decode_attention``) against fused
   attention over dequantized keys (the old road) and against
@@ -11,14 +11,15 @@ Three parts, one JSON:
   ``rel`` is ||kernel - other|| / ||other||; tolerances: 5e-3 against the
   reference (the output rounded to bfloat16), 2e-2 against the old road
   (which also rounds keys, values and probabilities to bfloat16).
-- ``attention_ms``: one decode step's attention alone, 32 layers' caches of
+- ``attention``: one decode step's attention alone, 32 layers' caches of
   the Llama-8B shape (32 query heads over 8, head dim 128), per layer:
   kernel, old road, and ``mx.fast.scaled_dot_product_attention`` over a
   bfloat16 cache; the kernel at several ``TARGET_BLOCKS`` and query counts.
 - ``e2e``: each side in its own process (``--side``): a random-weight
   Llama-8B shape (``e2e.build_model``), ``generate_step`` with each
   ``--prompts`` length, ``--chunk``-token prefill steps, ``--decode``
-  greedy tokens, once to warm up and once measured. Sides: ``bf16``
+  greedy tokens, once to warm up and once measured (``--rounds`` processes
+  a side, the median decode tokens/s). Sides: ``bf16``
   (``KVCache``), ``q8`` and ``q4`` (``--kv-bits``, the kernel), ``q8_old``
   and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road).
   Decode tokens/s, prefill seconds, the prefill's peak above the weights,
@@ -26,6 +27,8 @@ Three parts, one JSON:
 - ``turns``: decode tokens/s of ``bf16``, ``q8`` and ``q4`` in one process,
   the sides taking turns ``--rounds`` times (each side's median), as
   ``e2e`` runs them otherwise.
+- ``steps``: a decode step's caches and attention alone, 32 layers
+  (``_qdecode_timing.layer_steps``).
 
     python -m mlx_lm_patched.bench qdecode [--out qdecode.json] [--parts check,attention,e2e]
 """

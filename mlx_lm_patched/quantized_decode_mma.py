@@ -12,8 +12,9 @@ patch: the kernel module installs it in ``mlx_lm.models.base``."""
 # rows) with A the values times their scales (rounded to f16) and B the
 # probabilities (f16), the biases' share added from float sums. Lane (g, c)
 # loads GS / 4 dims of each group of keys g and g + 8 and W / 8 dims of keys
-# 2c, 2c + 1, 2c + 8, 2c + 9: contiguous words, 16-byte loads. Queries
-# beyond f16's range are clamped to it.
+# 2c, 2c + 1, 2c + 8, 2c + 9: contiguous words, 16-byte loads; with PF a
+# warp's next keys load while it uses these. Queries beyond f16's range are
+# clamped to it.
 _DECODE_MMA = """
   constexpr int R = NREP * NQ;
   constexpr int NGR = W / GS;
@@ -86,11 +87,14 @@ _DECODE_MMA = """
 #pragma unroll
   for (int gi = 0; gi < NGR; gi++) ob[0][gi] = ob[1][gi] = 0.f;
 
-  for (int base = k_begin + 16 * warp; base < k_end; base += 16 * NW) {
-    // Keys g and g + 8 (A of the scores: rows of the m16 tile), and keys
-    // 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
-    uint32_t kwr[2][NGR * WPG], vwr[4][VW];
-    float kss[2][NGR], kbs[2][NGR], vbs[2][NGR], vss[4];
+  // Keys g and g + 8 (A of the scores: rows of the m16 tile) with their
+  // scales and biases and their values' biases; with PF loaded an
+  // iteration ahead of their use.
+  struct Keys {
+    uint32_t kw[2][NGR * WPG];
+    float ks[2][NGR], kb[2][NGR], vb[2][NGR];
+  };
+  auto load_keys = [&](Keys& t, int base) {
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const int k = base + 8 * u + g;
@@ -98,12 +102,19 @@ _DECODE_MMA = """
 #pragma unroll
       for (int gi = 0; gi < NGR; gi++) {
         const long long off = k * kr + (gi * WPG * 4 + c * WPG) * kc;
-        load_words<WPG>(&kwr[u][gi * WPG], kw_p + off, kc, kvec, ok);
-        kss[u][gi] = ok ? float(ks_p[k * ks_strides[2] + gi * ks_strides[3]]) : 0.f;
-        kbs[u][gi] = ok ? float(kb_p[k * kb_strides[2] + gi * kb_strides[3]]) : 0.f;
-        vbs[u][gi] = ok ? float(vb_p[k * vb_strides[2] + gi * vb_strides[3]]) : 0.f;
+        load_words<WPG>(&t.kw[u][gi * WPG], kw_p + off, kc, kvec, ok);
+        t.ks[u][gi] = ok ? float(ks_p[k * ks_strides[2] + gi * ks_strides[3]]) : 0.f;
+        t.kb[u][gi] = ok ? float(kb_p[k * kb_strides[2] + gi * kb_strides[3]]) : 0.f;
+        t.vb[u][gi] = ok ? float(vb_p[k * vb_strides[2] + gi * vb_strides[3]]) : 0.f;
       }
     }
+  };
+  Keys cur, nxt;
+  if constexpr (PF) load_keys(cur, k_begin + 16 * warp);
+  for (int base = k_begin + 16 * warp; base < k_end; base += 16 * NW) {
+    // Values of keys 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
+    uint32_t vwr[4][VW];
+    float vss[4];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const int k = base + 2 * c + (u & 1) + 8 * (u >> 1);
@@ -111,6 +122,15 @@ _DECODE_MMA = """
       load_words<VW>(vwr[u], vw_p + k * vr + g * VW * vc, vc, vvec, ok);
       vss[u] = ok ? float(vs_p[k * vs_strides[2] + gv * vs_strides[3]]) : 0.f;
     }
+    if constexpr (PF) {
+      load_keys(nxt, base + 16 * NW);
+    } else {
+      load_keys(cur, base);
+    }
+    const auto& kwr = cur.kw;
+    const auto& kss = cur.ks;
+    const auto& kbs = cur.kb;
+    const auto& vbs = cur.vb;
 
     // Scores, transposed (keys x rows): a group's sums take its keys'
     // scale and bias. s[e]: key g + 8 * (e >> 1), row 2c + (e & 1).
@@ -206,6 +226,7 @@ _DECODE_MMA = """
         mma_h16816(o[4 * c8 + i], a, pb0, pb1);
       }
     }
+    if constexpr (PF) cur = nxt;
   }
 
   // Each row's sum and bias terms over its lanes, then the block's warps merged.

@@ -169,7 +169,10 @@ def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
     other = qa._decode_launch(*args)[1]
     assert other is not first and ("KT", 3) in other["template"]
     monkeypatch.setattr(base, "DECODE_MMA", True)
-    assert qa._decode_launch(*args)[0] == "mma"
+    kernel, mma, _ = qa._decode_launch(*args)
+    assert kernel == "mma" and ("PF", True) in mma["template"]
+    monkeypatch.setattr(base, "DECODE_PREFETCH", False)
+    assert ("PF", False) in qa._decode_launch(*args)[1]["template"]
 
 
 @pytest.mark.parametrize("mma", [True, False])

@@ -70,10 +70,10 @@ DECODE_MIN_KEYS = 64
 # us, 16 and 4 78 / 74, 16 and 2 74 / 73 (4k keys: 29, 32, 31); 512 or
 # 1024 blocks were slower.
 DECODE_KEYS_PER_ITER = 2
-# The tensor-core kernel's warps load their next 16 keys (not values) before
-# using these when set too. H100, ncu, 3 runs each, 33 tail tokens, 4k /
-# 16k / 32k keys: q8 29.0 / 47.4 / 72.0 us a layer without, 27.9 / 41.5 /
-# 61.6 with (q4: 29.5 / 57.2 / 68.8 against 29.1 / 54.1 / 65.3).
+# Set, the tensor-core kernel's warps also load their next 16 keys (not
+# their values) before using these. H100, ncu, 3 runs each, 33 tail tokens,
+# 4k / 16k / 32k keys: q8 29.0 / 47.4 / 72.0 us a layer unset, 27.9 / 41.5 /
+# 61.6 set (q4: 29.5 / 57.2 / 68.8 against 29.1 / 54.1 / 65.3).
 DECODE_PREFETCH = True
 DECODE_DIMS_PER_LANE = 16
 # Whether query blocks of up to 8 rows over head dims 64 or 128 take the

@@ -175,6 +175,13 @@ def rss_bytes(pid):
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def _ctrl_c_reaches():
+    """In a server's process before it starts: Ctrl-C (SIGINT) stops it as it
+    stops a server started from a terminal, also when the tests run as a
+    background job (whose children start with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Server:
     """``python -m mlx_lm_patched.server`` (``mlx_lm.server`` with
     ``upstream``) on 127.0.0.1, stopped by PID."""
@@ -187,7 +194,9 @@ class Server:
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *map(str, flags)]
         self.cmd = " ".join(cmd[1:])
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_ctrl_c_reaches
+        )
 
     def __enter__(self):
         try:

@@ -111,6 +111,9 @@ _DECODE_MMA = """
   };
   Keys cur, nxt;
   if constexpr (PF) load_keys(cur, k_begin + 16 * warp);
+  // Unrolled by two: 8-12% less time on an H200 (ncu, 4k-32k keys, 8 and
+  // 4 bits), where a buffer swap (two calls of one step) gained nothing.
+#pragma unroll 2
   for (int base = k_begin + 16 * warp; base < k_end; base += 16 * NW) {
     // Values of keys 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
     uint32_t vwr[4][VW];

@@ -23,7 +23,10 @@ Its parts, one JSON:
   (``KVCache``), ``q8`` and ``q4`` (``--kv-bits``, the kernel), ``q8_old``
   and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road).
   Decode tokens/s, prefill seconds, the prefill's peak above the weights,
-  and whether the greedy tokens equal the old road's.
+  whether the greedy tokens equal the old road's, and one more step's host
+  build, launch and whole (``step_host_ms``, ``step_launch_ms``,
+  ``step_synced_ms``: where build + launch reaches a step, the host bounds
+  decode).
 - ``turns``: decode tokens/s of ``bf16``, ``q8`` and ``q4`` in one process,
   the sides taking turns ``--rounds`` times (each side's median), as
   ``e2e`` runs them otherwise.
@@ -218,13 +221,17 @@ def run_side(args):
                 tic = time.perf_counter()
             decode_s = sum(steps)
             del gen
-        # One more step by hand: the host's time to build it, then the whole.
-        host, step = [], []
+        # One more step by hand: the host's time to build it, to launch it
+        # (``mx.async_eval``'s call), then the whole. A pipelined step takes
+        # about build + launch where the host bounds it.
+        host, launch, step = [], [], []
         for _ in range(10):
             mx.synchronize()
             tic = time.perf_counter()
             logits = model(mx.array([[tokens[-1]]]), cache=cache)
             host.append(time.perf_counter() - tic)
+            mx.async_eval(logits)
+            launch.append(time.perf_counter() - tic - host[-1])
             mx.eval(logits)
             step.append(time.perf_counter() - tic)
         del cache, logits
@@ -238,6 +245,7 @@ def run_side(args):
             result[str(n)]["top2_margins"] = margins
         result[str(n)] |= {
             "step_host_ms": round(1e3 * float(np.median(host)), 3),
+            "step_launch_ms": round(1e3 * float(np.median(launch)), 3),
             "step_synced_ms": round(1e3 * float(np.median(step)), 3),
             "prefill_s": round(prefill_s, 4),
             "prefill_peak": prefill_peak,

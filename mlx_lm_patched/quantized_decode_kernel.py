@@ -105,7 +105,7 @@ def _decode_kernel(name, template):
     if key not in _decode_kernels:
         inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "lens"]
         inputs += ["mask", "scale"]
-        outputs = ["o_part", "m_part", "l_part"]
+        outputs = ["partials"]
         header = _DECODE_HEADER
         if name == "reduce":
             inputs, outputs, header = outputs, ["out"], _DECODE_DEFINES
@@ -218,12 +218,8 @@ def _decode_launch(
         call=dict(
             grid=(parts * threads, n_kv_heads, B * -(-rows // rc)),
             threadgroup=(threads, 1, 1),
-            output_shapes=[
-                (B, n_kv_heads, parts, rows, width),
-                (B, n_kv_heads, parts, rows),
-                (B, n_kv_heads, parts, rows),
-            ],
-            output_dtypes=[mx.float32] * 3,
+            output_shapes=[(B, n_kv_heads, parts, rows * (width + 2))],
+            output_dtypes=[mx.float32],
         ),
     )
     template = [("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]

@@ -26,6 +26,8 @@ _DECODE_MMA = """
   const int split = blockIdx.x, parts = gridDim.x, n_splits = parts - (TAIL > 1);
   const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+  const size_t n = (size_t)gridDim.z * gridDim.y * parts * R;  // see _DECODE_REDUCE
+  float *const o_part = partials, *const m_part = o_part + n * W, *const l_part = m_part + n;
   if (split == n_splits) {  // the last block, with a tail
     tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK>(
         q, q_strides, tk, tk_strides, tv, tv_strides, mask, mask_strides, b, kvh, 0,

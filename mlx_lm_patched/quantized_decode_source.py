@@ -8,6 +8,7 @@ _DECODE_DEFINES = """
 """
 
 _DECODE_HEADER = _DECODE_DEFINES + """
+#include <cuda/std/type_traits>
 // The keys [k_begin, k_end) of a block's range, of the packed ones: the
 // lengths array's shape is one more than the packed and tail counts, or
 // (1, 1): the packed views' own length (``viewed``), no tail. kL counts the

@@ -94,8 +94,9 @@ _DECODE_MMA = """
   // The scales and biases of up to CK keys, staged in shared memory by the
   // block at once, their loads all in flight together (loaded by each warp
   // with its keys, their first uses were the kernel's longest stalls). H200,
-  // ncu, 4 runs each, 8 bits: 4k / 16k / 32k keys 26.9 / 42.2 / 59.7 us
-  // before, 28.8 / 39.1 / 56.1 staged (4 bits: 27.7 / 27.5 at 4k).
+  // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 26.9 / 42.2 / 59.7
+  // us before, 28.8 / 39.1 / 56.1 staged; 4 bits 27.7 / 40.2 / 58.8, 27.5 /
+  // 39.6 / 57.6.
   using ST = cuda::std::remove_cv_t<cuda::std::remove_reference_t<decltype(ks[0])>>;
   constexpr int CK = 4096 / sizeof(ST) / NGR;  // 16 KB a block
   __shared__ ST s_ks[CK * NGR], s_kb[CK * NGR], s_vs[CK * NGR], s_vb[CK * NGR];

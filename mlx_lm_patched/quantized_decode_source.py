@@ -103,6 +103,25 @@ __device__ __forceinline__ void load_words(
     for (int j = 0; j < N; j++) dst[j] = p[j * stride];
   }
 }
+// BYTES bytes from global src to shared dst, in flight until cp_async_wait
+// (cp.async); zeros unless ok.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(BYTES), "r"(ok ? BYTES : 0));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;");
+}
+// Wait until at most N of this thread's copy groups are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
 // The tail's keys and values (after the packed ones, in the cache dtype:
 // see key_range) as one more range, in float32, by a block of its own:
 // rows [r0, r0 + RR) of KV head kvh; its output, maximum and sum go to

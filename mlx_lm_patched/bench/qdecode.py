@@ -21,7 +21,8 @@ Its parts, one JSON:
   greedy tokens, once to warm up and once measured (``--rounds`` processes
   a side, the median decode tokens/s). Sides: ``bf16``
   (``KVCache``), ``q8`` and ``q4`` (``--kv-bits``, the kernel), ``q8_old``
-  and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road).
+  and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road, run in
+  the first round only).
   Decode tokens/s, prefill seconds, the prefill's peak above the weights,
   whether the greedy tokens equal the old road's, and one more step's host
   build, launch and whole (``step_host_ms``, ``step_launch_ms``,
@@ -307,13 +308,15 @@ def turns(args):
 
 
 def e2e(args):
-    """Each side's process ``--rounds`` times, the sides taking turns; a
-    side's decode tokens/s is its median over the rounds (a process's figure
-    moved by up to 10% between runs on one machine), the rest its first
-    round's."""
+    """Each side's process ``--rounds`` times, the sides taking turns (the
+    old road's once: its tokens); a side's decode tokens/s is its median
+    over the rounds (a process's figure moved by up to 10% between runs on
+    one machine), the rest its first round's."""
     sides = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for side in args.sides:
+            if round_ and side.endswith("_old"):  # its tokens are needed once
+                continue
             env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL=SIDES[side][1])
             argv = [sys.executable, "-m", __name__, "--side", side]
             argv += ["--prompts", ",".join(map(str, args.prompts))]

@@ -319,3 +319,19 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
     assert ring_at_rest[0] == pytest.approx(
         rows["ring 16 (max_kv_size, keep 4)"][0], rel=0.05
     )
+
+
+def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
+    """Every side but the old road's runs ``--rounds`` processes; the old
+    road's runs once, for the tokens the others are compared with."""
+    from mlx_lm_patched.bench import qdecode
+
+    tiny = "--parts e2e --sides bf16,q8,q8_old --layers 2 --hidden 64 --heads 4 "
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 --chunk 64 "
+    tiny += "--decode 8 --rounds 2 --device cpu"
+    out = qdecode.main([*tiny.split(), "--out", str(tmp_path / "q.json")])
+    row = out["e2e"]["96"]
+    rounds = {s: len(r["decode_tok_s_rounds"]) for s, r in row["sides"].items()}
+    assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
+    assert row["ratios"]["q8_tokens_equal_old_road"] is True
+    assert row["targets"]["q8"]["tokens_equal_old_road"] is True

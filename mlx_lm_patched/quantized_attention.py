@@ -77,6 +77,11 @@ def quantized_scaled_dot_product_attention(
 ) -> mx.array:
     """Attention over a quantized cache, about ``block_bytes`` of scores at a
     time: a long prefill chunk's scores outgrow the cache otherwise (#1587)."""
+    if use_decode_kernel(queries, bits) and sdpa_backend() == "cuda":
+        # No layer's keys dequantized; a QuantizedKVCache's tail read as it is.
+        return quantized_decode_attention(
+            queries, q_keys, q_values, scale, mask, group_size, bits
+        )
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
     n_repeats = n_q_heads // n_kv_heads
@@ -85,11 +90,6 @@ def quantized_scaled_dot_product_attention(
     # values alike): pad the queries to match, drop the padding from the output.
     width = q_keys[0].shape[-1] * 32 // bits
 
-    if use_decode_kernel(queries, bits) and sdpa_backend() == "cuda":
-        # No layer's keys dequantized; a QuantizedKVCache's tail read as it is.
-        return quantized_decode_attention(
-            queries, q_keys, q_values, scale, mask, group_size, bits
-        )
     if len(q_keys) == 5:
         q_keys, q_values = _quantize_tail(q_keys, q_values, group_size, bits)
     if sdpa_backend() == "cuda":

@@ -89,6 +89,9 @@ DECODE_MMA = True
 DECODE_MMA_WARPS = 4
 
 _cuda_kernels = mx.cuda.is_available()
+# MLX_LM_PATCHED_DECODE_KERNEL=0 keeps the old road; read at import, as
+# QuantizedKVCache.decode_tail reads it (a lookup a call took 0.5 us).
+_decode_kernel_env = os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
 
 _decode_kernels = {}
 _decode_constants = {}
@@ -157,16 +160,16 @@ def use_decode_kernel(queries, bits) -> bool:
     """Whether a call goes through the kernel: MLX's CUDA backend (never
     Metal or CPU), a short query block, head dims up to 128, 4 or 8 bits,
     half-precision queries. Setting
-    ``MLX_LM_PATCHED_DECODE_KERNEL=0`` keeps every call on fused attention
-    over dequantized keys."""
+    ``MLX_LM_PATCHED_DECODE_KERNEL=0`` before import keeps every call on
+    fused attention over dequantized keys."""
     _, _, L, D = queries.shape
     return (
         _cuda_kernels
+        and _decode_kernel_env
         and L <= DECODE_MAX_QUERIES
         and D <= 128
         and bits in (4, 8)
         and queries.dtype in (mx.bfloat16, mx.float16)
-        and os.environ.get("MLX_LM_PATCHED_DECODE_KERNEL", "1") != "0"
     )
 
 
@@ -329,6 +332,7 @@ PATCH = Patch(
         DECODE_MMA=DECODE_MMA,
         DECODE_MMA_WARPS=DECODE_MMA_WARPS,
         _cuda_kernels=_cuda_kernels,
+        _decode_kernel_env=_decode_kernel_env,
         _CUDA_TYPES=_CUDA_TYPES,
         _DECODE_DEFINES=_DECODE_DEFINES,
         _DECODE_HEADER=_DECODE_HEADER,

@@ -4,6 +4,10 @@ dequantized cache; and which calls reach the kernel. The kernel itself is
 checked on a GPU by ``python -m mlx_lm_patched.bench qdecode`` (its
 ``check`` part)."""
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -237,8 +241,14 @@ def test_the_environment_can_keep_the_old_road(monkeypatch):
     assert not qa.use_decode_kernel(q.astype(mx.float32), 8)
     assert not qa.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
     assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 256), mx.bfloat16), 8)
-    monkeypatch.setenv("MLX_LM_PATCHED_DECODE_KERNEL", "0")
-    assert not qa.use_decode_kernel(q, 8)
+    # Read at import, as QuantizedKVCache.decode_tail reads it.
+    code = "import mlx.core as mx, mlx_lm_patched; from mlx_lm.models import base; "
+    code += "base._cuda_kernels = True; "
+    code += "print(base.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8))"
+    env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL="0")
+    run = [sys.executable, "-c", code]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
 
 
 @pytest.mark.parametrize("kv_bits", [4, 8])

@@ -335,3 +335,19 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
     assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
     assert row["ratios"]["q8_tokens_equal_old_road"] is True
     assert row["targets"]["q8"]["tokens_equal_old_road"] is True
+
+
+def test_qdecode_host_times_every_side_in_one_process():
+    """Each side's step build, launch and whole (ms), and its first layer's
+    update and attention call (us): every figure measured, none zero."""
+    from mlx_lm_patched.bench import qdecode
+
+    tiny = "--parts host --sides bf16,q8,q4,q8_old --layers 2 --hidden 64 "
+    tiny += "--heads 4 --kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 "
+    tiny += "--chunk 64 --steps 4 --device cpu"
+    row = qdecode.main(tiny.split())["host"]["96"]
+    assert set(row) == {"bf16", "q8", "q4"}  # the old road needs its own process
+    keys = {"build_ms", "launch_ms", "synced_ms", "update_us", "attention_us"}
+    for side in row.values():
+        assert set(side) == keys and all(v > 0 for v in side.values())
+        assert side["synced_ms"] >= side["build_ms"]

@@ -31,6 +31,9 @@ Its parts, one JSON:
 - ``turns``: decode tokens/s of ``bf16``, ``q8`` and ``q4`` in one process,
   the sides taking turns ``--rounds`` times (each side's median), as
   ``e2e`` runs them otherwise.
+- ``host``: a decode step's host time, the sides in one process taking
+  turns a step at a time: build, launch and whole (medians of
+  ``--steps``), and a layer's cache update and attention call alone.
 - ``steps``: a decode step's caches and attention alone, 32 layers
   (``_qdecode_timing.layer_steps``).
 
@@ -307,6 +310,61 @@ def turns(args):
     return out
 
 
+def host(args):
+    """A decode step's host time, the sides in one process over one model
+    (their caches prefilled alike), taking turns a step at a time: the
+    median ms to build a step (``build``), to launch it (``launch``,
+    ``mx.async_eval``'s call) and the whole, synced (``synced``); then, us a
+    call over the first layer's cache, its update (``update_us``) and the
+    attention call after it (``attention_us``). Where build + launch exceeds
+    the GPU's time a step, the host bounds decode."""
+    mx.random.seed(0)
+    model = build_model(args)
+    sides = [s for s in args.sides if SIDES[s][1] == "1"]
+    out = {}
+    for n in args.prompts:
+        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+        caches, tokens, res = {}, {}, {s: ([], [], []) for s in sides}
+        for side in sides:
+            caches[side] = make_prompt_cache(model)
+            gen = _greedy(model, prompt, args, SIDES[side][0], caches[side], False)
+            tokens[side] = mx.array([[list(gen)[-1][0]]])
+        for step in range(args.steps + 3):  # 3 to warm up
+            for side in sides:
+                mx.synchronize()
+                tic = time.perf_counter()
+                y = model(tokens[side], cache=caches[side])
+                built = time.perf_counter()
+                mx.async_eval(y)
+                launched = time.perf_counter()
+                mx.eval(y)
+                if step >= 3:
+                    times = (built - tic, launched - built, time.perf_counter() - tic)
+                    for v, t in zip(res[side], times):
+                        v.append(t)
+        x = mx.random.normal((1, args.heads, 1, args.hidden // args.heads))
+        kv = mx.random.normal((1, args.kv_heads, 1, args.hidden // args.heads))
+        x, kv = x.astype(mx.bfloat16), kv.astype(mx.bfloat16)
+        row = {}
+        for side in sides:
+            c, calls = caches[side][0], args.layers
+            tic = time.perf_counter()
+            for _ in range(calls):
+                k, v = c.update_and_fetch(kv, kv)
+            updated = time.perf_counter()
+            for _ in range(calls):
+                o = base.scaled_dot_product_attention(x, k, v, c, 0.088, None)
+            attended = time.perf_counter()
+            mx.eval(o, k, v)
+            med = [round(1e3 * float(np.median(v)), 3) for v in res[side]]
+            row[side] = dict(zip(("build_ms", "launch_ms", "synced_ms"), med))
+            row[side]["update_us"] = round(1e6 * (updated - tic) / calls, 2)
+            row[side]["attention_us"] = round(1e6 * (attended - updated) / calls, 2)
+        out[str(n)] = row
+        print(f"[qdecode] host {n} {row}", file=sys.stderr, flush=True)
+    return out
+
+
 def e2e(args):
     """Each side's process ``--rounds`` times, the sides taking turns (the
     old road's once: its tokens); a side's decode tokens/s is its median
@@ -418,6 +476,7 @@ def build_parser():
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1, help="e2e, turns: a side's runs")
+    p.add_argument("--steps", type=int, default=30, help="host: steps a side")
     p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)
     p.add_argument("--kt", type=int, default=qa.DECODE_KEYS_PER_ITER)
     p.add_argument("--pf", type=int, default=int(qa.DECODE_PREFETCH))
@@ -445,6 +504,7 @@ def main(argv=None):
         "steps": layer_steps,
         "e2e": e2e,
         "turns": turns,
+        "host": host,
     }
     for name in args.parts:
         result[name] = parts[name](args)

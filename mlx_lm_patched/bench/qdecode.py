@@ -272,18 +272,29 @@ def run_side(args):
     return result
 
 
+def _one_process(args):
+    """The model, the sides that can share a process (not the old road's:
+    its switch is read at import) and each ``(length, prompt)``."""
+    mx.random.seed(0)
+    model = build_model(args)
+    sides = [s for s in args.sides if SIDES[s][1] == "1"]
+    keys = (mx.random.key(n) for n in args.prompts)
+    prompts = [
+        (n, mx.random.randint(0, args.vocab, (n,), key=k))
+        for n, k in zip(args.prompts, keys)
+    ]
+    return model, sides, prompts
+
+
 def turns(args):
     """Decode tokens/s of the sides in one process, over one model, the sides
     taking turns ``--rounds`` times after a round to warm up: a side's
     median. Between processes a side's speed moved by up to 20% (the host's
     share of a step); within one, the sides meet the same host. Sides of
-    the old road are left to ``e2e`` (its switch is read at import)."""
-    mx.random.seed(0)
-    model = build_model(args)
-    sides = [s for s in args.sides if SIDES[s][1] == "1"]
+    the old road are left to ``e2e``."""
+    model, sides, prompts = _one_process(args)
     out = {}
-    for n in args.prompts:
-        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+    for n, prompt in prompts:
         runs = {s: [] for s in sides}
         for r in range(args.rounds + 1):
             for side in sides:
@@ -318,12 +329,9 @@ def host(args):
     call over the first layer's cache, its update (``update_us``) and the
     attention call after it (``attention_us``). Where build + launch exceeds
     the GPU's time a step, the host bounds decode."""
-    mx.random.seed(0)
-    model = build_model(args)
-    sides = [s for s in args.sides if SIDES[s][1] == "1"]
+    model, sides, prompts = _one_process(args)
     out = {}
-    for n in args.prompts:
-        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+    for n, prompt in prompts:
         caches, tokens, res = {}, {}, {s: ([], [], []) for s in sides}
         for side in sides:
             caches[side] = make_prompt_cache(model)

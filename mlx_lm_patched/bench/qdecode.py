@@ -198,6 +198,19 @@ def _greedy(model, prompt, args, kv_bits, cache, measured=True):
     )
 
 
+def _step_times(model, token, cache):
+    """Seconds to build a decode step of ``token``, to launch it
+    (``mx.async_eval``'s call) and the whole step, synced."""
+    mx.synchronize()
+    tic = time.perf_counter()
+    logits = model(mx.array([[token]]), cache=cache)
+    built = time.perf_counter()
+    mx.async_eval(logits)
+    launched = time.perf_counter()
+    mx.eval(logits)
+    return built - tic, launched - built, time.perf_counter() - tic
+
+
 def run_side(args):
     """One side, in this process: each prompt once to warm up, once measured."""
     kv_bits, _ = SIDES[args.side]
@@ -228,17 +241,10 @@ def run_side(args):
         # One more step by hand: the host's time to build it, to launch it
         # (``mx.async_eval``'s call), then the whole. A pipelined step takes
         # about build + launch where the host bounds it.
-        host, launch, step = [], [], []
-        for _ in range(10):
-            mx.synchronize()
-            tic = time.perf_counter()
-            logits = model(mx.array([[tokens[-1]]]), cache=cache)
-            host.append(time.perf_counter() - tic)
-            mx.async_eval(logits)
-            launch.append(time.perf_counter() - tic - host[-1])
-            mx.eval(logits)
-            step.append(time.perf_counter() - tic)
-        del cache, logits
+        host, launch, step = zip(
+            *(_step_times(model, tokens[-1], cache) for _ in range(10))
+        )
+        del cache
         result[str(n)] = {}
         if args.side.endswith("_old"):  # how close the old road's picks were
             gen = _greedy(model, prompt, args, kv_bits, make_prompt_cache(model))
@@ -336,18 +342,11 @@ def host(args):
         for side in sides:
             caches[side] = make_prompt_cache(model)
             gen = _greedy(model, prompt, args, SIDES[side][0], caches[side], False)
-            tokens[side] = mx.array([[list(gen)[-1][0]]])
+            tokens[side] = list(gen)[-1][0]
         for step in range(args.steps + 3):  # 3 to warm up
             for side in sides:
-                mx.synchronize()
-                tic = time.perf_counter()
-                y = model(tokens[side], cache=caches[side])
-                built = time.perf_counter()
-                mx.async_eval(y)
-                launched = time.perf_counter()
-                mx.eval(y)
+                times = _step_times(model, tokens[side], caches[side])
                 if step >= 3:
-                    times = (built - tic, launched - built, time.perf_counter() - tic)
                     for v, t in zip(res[side], times):
                         v.append(t)
         x = mx.random.normal((1, args.heads, 1, args.hidden // args.heads))

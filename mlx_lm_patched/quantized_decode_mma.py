@@ -6,15 +6,17 @@ patch: the kernel module installs it in ``mlx_lm.models.base``."""
 # One block: NW warps, each taking 16 keys at a time of the block's range
 # [split * per, (split + 1) * per), a KV head's query rows (up to 8) the n8
 # columns of f16 tensor-core products (mma.sync m16n8k16), transposed:
-# scores (keys x rows) with A the keys' quantized integers (exact in f16)
-# and B the queries, a group's dims a k16 chunk at a time, so each group's
+# scores (keys x rows) with A the keys' quantized integers (exact in f16,
+# made from their bits with no conversion: key_pairs) and B the queries
+# (in key_pairs' order), a group's dims a k16 chunk at a time, so each group's
 # sums take its keys' scale and bias after the product; outputs (dims x
 # rows) with A the values times their scales (rounded to f16) and B the
 # probabilities (f16), the biases' share added from float sums. Lane (g, c)
 # loads GS / 4 dims of each group of keys g and g + 8 and W / 8 dims of keys
 # 2c, 2c + 1, 2c + 8, 2c + 9: contiguous words, 16-byte loads; with PF a
-# warp's next keys load while it uses these, and its next values are copied
-# to shared memory (cp.async) meanwhile. The scales and biases of keys
+# warp's next keys load while it uses these, and its next two tiles' values
+# are copied to shared memory (cp.async) meanwhile; its outputs are rescaled
+# only when a row's maximum grew. The scales and biases of keys
 # and values are staged in shared memory by the whole block, up to CK keys'
 # at a time, before the warps use them. Queries beyond f16's range are
 # clamped to it.
@@ -59,7 +61,7 @@ _DECODE_MMA = """
         float x[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-          const int d = gi * GS + c * (GS / 4) + 4 * jj + i;
+          const int d = gi * GS + c * (GS / 4) + qdim<BITS>(jj, i);
           x[i] = (g < R && d < D) ? fminf(fmaxf(float(qp[d * q_strides[3]]), -65504.f), 65504.f) : 0.f;
           s += x[i];
         }
@@ -101,36 +103,30 @@ _DECODE_MMA = """
   // us before, 28.8 / 39.1 / 56.1 staged; 4 bits 27.7 / 40.2 / 58.8, 27.5 /
   // 39.6 / 57.6.
   using ST = cuda::std::remove_cv_t<cuda::std::remove_reference_t<decltype(ks[0])>>;
-  constexpr int CK = 4096 / sizeof(ST) / NGR;  // 16 KB a block
-  // After the loop the same bytes hold the warps' outputs (so, below).
+
+  // A warp's values, 16 keys at a time, copied to shared memory (cp.async)
+  // two tiles ahead of their use: no registers hold them in flight. H200,
+  // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 29.4 / 44.6 / 59.2
+  // us loaded as used, 32.6 / 39.5 / 53.4 copied a tile ahead; 4 bits 30.3
+  // / 43.6 / 60.1, 28.3 / 43.9 / 61.1 (190 registers, 180 before).
+  constexpr int VS = 3;  // a warp's buffers: this tile's, the next two's
+  __shared__ __align__(16) uint32_t sv[NW][VS][16 * VRS];
+
+  // Up to 15 KB of scales and biases (whole tiles of the warps' keys): the
+  // block's static shared memory stays under 48 KB. After the loop the
+  // warps' outputs (so, below) take sv's bytes where they fit, else these.
+  constexpr int CK = 3840 / sizeof(ST) / NGR / (16 * NW) * (16 * NW);
   constexpr int SB = 4 * CK * NGR * sizeof(ST), OB = NW * 8 * W * sizeof(float);
-  __shared__ __align__(16) unsigned char s_raw[SB > OB ? SB : OB];
+  constexpr bool SO_SV = OB <= sizeof(sv);
+  __shared__ __align__(16) unsigned char s_raw[SO_SV || SB > OB ? SB : OB];
   ST* const s_ks = reinterpret_cast<ST*>(s_raw);
   ST *const s_kb = s_ks + CK * NGR, *const s_vs = s_kb + CK * NGR, *const s_vb = s_vs + CK * NGR;
 
-  // A warp's values, 16 keys at a time, copied to shared memory (cp.async)
-  // a tile ahead of their use: no registers hold them in flight. H200, ncu,
-  // means of 8 launches, 4k / 16k / 32k keys: 8 bits 29.4 / 44.6 / 59.2 us
-  // loaded as used, 32.6 / 39.5 / 53.4 copied ahead; 4 bits 30.3 / 43.6 /
-  // 60.1, 28.3 / 43.9 / 61.1 (190 registers, 180 before).
-  __shared__ __align__(16) uint32_t sv[NW][2][16 * VRS];
   auto copy_values = [&](uint32_t* dst, int base) {
-    const int lane = threadIdx.x % 32;
     if (vvec) {
-      for (int e = lane; e < 16 * VWR / 4; e += 32) {
-        const int r = e / (VWR / 4), j = 4 * (e % (VWR / 4)), k = base + r;
-        cp_async<16>(dst + r * VRS + j, k < k_end ? vw_p + k * vr + j : vw_p, k < k_end);
-      }
-    } else if (vc == 1) {
-      for (int e = lane; e < 16 * VWR; e += 32) {
-        const int r = e / VWR, j = e % VWR, k = base + r;
-        cp_async<4>(dst + r * VRS + j, k < k_end ? vw_p + k * vr + j : vw_p, k < k_end);
-      }
+      copy_rows<true, VWR, VRS>(dst, vw_p, vr, 1, base, k_end);
     } else {
-      for (int e = lane; e < 16 * VWR; e += 32) {
-        const int r = e / VWR, j = e % VWR, k = base + r;
-        dst[r * VRS + j] = k < k_end ? vw_p[k * vr + j * vc] : 0u;
-      }
+      copy_rows<false, VWR, VRS>(dst, vw_p, vr, vc, base, k_end);
     }
     cp_async_commit();
   };
@@ -141,13 +137,13 @@ _DECODE_MMA = """
     uint32_t kw[2][NGR * WPG];
   };
   auto load_keys = [&](Keys& t, int base) {
+    const uint32_t* const p = kw_p + (base + g) * kr + c * WPG * kc;
 #pragma unroll
     for (int u = 0; u < 2; u++) {
-      const int k = base + 8 * u + g;
 #pragma unroll
       for (int gi = 0; gi < NGR; gi++) {
-        const long long off = k * kr + (gi * WPG * 4 + c * WPG) * kc;
-        load_words<WPG>(&t.kw[u][gi * WPG], kw_p + off, kc, kvec, k < k_end);
+        load_words<WPG>(
+            &t.kw[u][gi * WPG], p + 8 * u * kr + gi * WPG * 4 * kc, kc, kvec, base + 8 * u + g < k_end);
       }
     }
   };
@@ -155,6 +151,7 @@ _DECODE_MMA = """
   if constexpr (PF) load_keys(cur, k_begin + 16 * warp);
   int it = 0;
   copy_values(sv[warp][0], k_begin + 16 * warp);
+  copy_values(sv[warp][1], k_begin + 16 * (warp + NW));
   for (int c0 = k_begin; c0 < k_end; c0 += CK) {
     const int nk = min(CK, k_end - c0) * NGR;
     __syncthreads();
@@ -172,13 +169,14 @@ _DECODE_MMA = """
 #pragma unroll 2
     for (int base = c0 + 16 * warp; base < c0 + CK && base < k_end; base += 16 * NW) {
       __syncwarp();  // the lanes are done with the buffer refilled here
-      copy_values(sv[warp][(it + 1) & 1], base + 16 * NW);
+      copy_values(sv[warp][(it + 2) % VS], base + 32 * NW);
       // Scales of keys 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
-      float vss[4];
+      float vss[4], vsb[4];
 #pragma unroll
       for (int u = 0; u < 4; u++) {
         const int k = base + 2 * c + (u & 1) + 8 * (u >> 1);
         vss[u] = k < k_end ? float(s_vs[(k - c0) * NGR + gv]) : 0.f;
+        vsb[u] = -8388608.f * vss[u];  // unpack8's RAW offset, scaled (exact)
       }
       if constexpr (PF) {
         load_keys(nxt, base + 16 * NW);
@@ -204,19 +202,13 @@ _DECODE_MMA = """
 #pragma unroll
       for (int gi = 0; gi < NGR; gi++) {
         acc[gi][0] = acc[gi][1] = acc[gi][2] = acc[gi][3] = 0.f;
-        float x[2][GS / 4];
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-#pragma unroll
-          for (int c8 = 0; c8 < GS / 32; c8++) {
-            unpack8<BITS>(&kwr[u][gi * WPG + c8 * BITS / 4], &x[u][c8 * 8]);
-          }
-        }
 #pragma unroll
         for (int jj = 0; jj < CH; jj++) {
-          const uint32_t a[4] = {
-              pack_h2(x[0][4 * jj], x[0][4 * jj + 1]), pack_h2(x[1][4 * jj], x[1][4 * jj + 1]),
-              pack_h2(x[0][4 * jj + 2], x[0][4 * jj + 3]), pack_h2(x[1][4 * jj + 2], x[1][4 * jj + 3])};
+          uint32_t a[4];
+#pragma unroll
+          for (int u = 0; u < 2; u++) {
+            key_pairs<BITS>(kwr[u][gi * WPG + jj * BITS / 8], jj, a[u], a[2 + u]);
+          }
           mma_h16816(acc[gi], a, qb[gi][jj][0], qb[gi][jj][1]);
         }
       }
@@ -248,14 +240,17 @@ _DECODE_MMA = """
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 16));
         mt = fmaxf(m[r], mt);
         const float corr = __expf(m[r] - mt);
+        const bool grew = mt > m[r];
         m[r] = mt;
         s[r] = __expf(s[r] - mt);
         s[2 + r] = __expf(s[2 + r] - mt);
         l[r] = l[r] * corr + s[r] + s[2 + r];
+        if (__any_sync(0xffffffffu, grew)) {  // else every corr is 1
 #pragma unroll
-        for (int i = 0; i < MT; i++) {
-          o[i][r] *= corr;
-          o[i][2 + r] *= corr;
+          for (int i = 0; i < MT; i++) {
+            o[i][r] *= corr;
+            o[i][2 + r] *= corr;
+          }
         }
 #pragma unroll
         for (int gi = 0; gi < NGR; gi++) {
@@ -275,22 +270,22 @@ _DECODE_MMA = """
 
       // Outputs, transposed (dims x rows): A the values times their scales;
       // m-tile i's rows g and g + 8 are dims g * VD + 2i and g * VD + 2i + 1.
-      cp_async_wait<1>();  // this tile's values, not the next one's
+      cp_async_wait<2>();  // this tile's values, not the next two's
       __syncwarp();
       uint32_t vwr[4][VW];
 #pragma unroll
       for (int u = 0; u < 4; u++) {
         const int r = 2 * c + (u & 1) + 8 * (u >> 1);
-        load_words<VW>(vwr[u], &sv[warp][it & 1][r * VRS + g * VW], 1, true, true);
+        load_words<VW>(vwr[u], &sv[warp][it % VS][r * VRS + g * VW], 1, true, true);
       }
 #pragma unroll
       for (int c8 = 0; c8 < VD / 8; c8++) {
         float vv[4][8];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-          unpack8<BITS>(&vwr[u][c8 * BITS / 4], vv[u]);
+          unpack8<BITS, true>(&vwr[u][c8 * BITS / 4], vv[u]);
 #pragma unroll
-          for (int i = 0; i < 8; i++) vv[u][i] *= vss[u];
+          for (int i = 0; i < 8; i++) vv[u][i] = fmaf(vv[u][i], vss[u], vsb[u]);
         }
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -319,8 +314,8 @@ _DECODE_MMA = """
     }
   }
   __shared__ float sm[NW][8], sl[NW][8];
-  __syncthreads();  // every warp done with the staged scales
-  float(*const so)[8][W] = reinterpret_cast<float(*)[8][W]>(s_raw);
+  __syncthreads();  // every warp done with the staged scales and its values
+  float(*const so)[8][W] = reinterpret_cast<float(*)[8][W]>(SO_SV ? (void*)sv : (void*)s_raw);
   if (g == 0) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {

@@ -24,24 +24,56 @@ __device__ __forceinline__ void key_range(
 }
 
 // 8 quantized values of a lane as floats: each one's bits under float
-// 2^23's mantissa, less 2^23 (full-rate ops; an integer conversion is not).
-template <int BITS>
+// 2^23's mantissa, less 2^23 (full-rate ops; an integer conversion is not);
+// RAW: not less 2^23, for an fmaf that takes it off as it scales.
+template <int BITS, bool RAW = false>
 __device__ __forceinline__ void unpack8(const uint32_t* w, float* out) {
+  constexpr float OFF = RAW ? 0.f : 8388608.f;
   if constexpr (BITS == 8) {
 #pragma unroll
     for (int j = 0; j < 2; j++) {
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        out[4 * j + i] =
-            __uint_as_float(__byte_perm(w[j], 0x4B000000u, 0x7440 + i)) - 8388608.f;
+        out[4 * j + i] = __uint_as_float(__byte_perm(w[j], 0x4B000000u, 0x7440 + i)) - OFF;
       }
     }
   } else {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-      out[i] = __uint_as_float(((w[0] >> (4 * i)) & 0xfu) | 0x4B000000u) - 8388608.f;
+      out[i] = __uint_as_float(((w[0] >> (4 * i)) & 0xfu) | 0x4B000000u) - OFF;
     }
   }
+}
+
+// A key's quantized values as two f16x2 words of the scores' A, from its
+// word jj * BITS / 8: each value's bits under f16 1024's mantissa, less
+// 1024 (exact). 8 bits: dims 4jj + {0, 1} and {2, 3}; 4 bits: dims {2l,
+// 2l + 4} and {2l + 1, 2l + 5} of the word (l = jj % 2), the queries'
+// B taking the same order (qdim).
+template <int BITS>
+__device__ __forceinline__ void key_pairs(uint32_t w, int jj, uint32_t& lo, uint32_t& hi) {
+  uint32_t x, y;
+  if constexpr (BITS == 8) {
+    x = __byte_perm(w, 0x64646464u, 0x4140);
+    y = __byte_perm(w, 0x64646464u, 0x4342);
+  } else {
+    const int s = 8 * (jj & 1);
+    x = ((w >> s) & 0x000f000fu) | 0x64006400u;
+    y = ((w >> (s + 4)) & 0x000f000fu) | 0x64006400u;
+  }
+  const __half2 magic = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+  __half2 a = __hsub2(*reinterpret_cast<__half2*>(&x), magic);
+  __half2 b = __hsub2(*reinterpret_cast<__half2*>(&y), magic);
+  lo = *reinterpret_cast<uint32_t*>(&a);
+  hi = *reinterpret_cast<uint32_t*>(&b);
+}
+
+// The dim of chunk jj's i-th query value (slots 2c, 2c + 1, 2c + 8, 2c + 9
+// of the k16 chunk), as key_pairs orders a key's.
+template <int BITS>
+__device__ __forceinline__ int qdim(int jj, int i) {
+  if constexpr (BITS == 8) return 4 * jj + i;
+  return 8 * (jj / 2) + 2 * (jj % 2) + (i >> 1) + 4 * (i & 1);
 }
 
 // Score x of query row t of head h for key k: -inf past the causal bound or
@@ -112,6 +144,37 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(BYTES), "r"(ok ? BYTES : 0));
+  }
+}
+// A warp's copy of rows [base, base + 16) of WR words each, from p (rows
+// rs apart, words cs apart) to dst (rows DS apart), zeros from row k_end on:
+// 16-byte cp.async (VEC: cs 1 and 16-byte aligned rows), a lane's pieces
+// 32 / (WR / 4) rows apart; else word by word, with 4-byte cp.async where
+// cs is 1.
+template <bool VEC, int WR, int DS>
+__device__ __forceinline__ void copy_rows(
+    uint32_t* dst, const uint32_t* p, long long rs, long long cs, int base, int k_end) {
+  const int lane = threadIdx.x % 32;
+  if constexpr (VEC) {
+    constexpr int PR = WR / 4, RS = 32 / PR;
+    const int r0 = lane / PR, j = 4 * (lane % PR);
+    const uint32_t* const src = p + (base + r0) * rs + j;
+#pragma unroll
+    for (int t = 0; t < 16 / RS; t++) {
+      const int r = r0 + t * RS;
+      const bool ok = base + r < k_end;
+      cp_async<16>(dst + r * DS + j, ok ? src + t * RS * rs : p, ok);
+    }
+  } else {
+#pragma unroll 1
+    for (int e = lane; e < 16 * WR; e += 32) {
+      const int r = e / WR, j = e % WR, k = base + r;
+      if (cs == 1) {
+        cp_async<4>(dst + r * DS + j, k < k_end ? p + k * rs + j : p, k < k_end);
+      } else {
+        dst[r * DS + j] = k < k_end ? p[k * rs + j * cs] : 0u;
+      }
+    }
   }
 }
 __device__ __forceinline__ void cp_async_commit() {

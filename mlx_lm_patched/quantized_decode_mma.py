@@ -105,11 +105,14 @@ _DECODE_MMA = """
   using ST = cuda::std::remove_cv_t<cuda::std::remove_reference_t<decltype(ks[0])>>;
 
   // A warp's values, 16 keys at a time, copied to shared memory (cp.async)
-  // two tiles ahead of their use: no registers hold them in flight. H200,
+  // up to two tiles ahead of their use: no registers hold them in flight. H200,
   // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 29.4 / 44.6 / 59.2
   // us loaded as used, 32.6 / 39.5 / 53.4 copied a tile ahead; 4 bits 30.3
   // / 43.6 / 60.1, 28.3 / 43.9 / 61.1 (190 registers, 180 before).
-  constexpr int VS = 3;  // a warp's buffers: this tile's, the next two's
+  // A warp's buffers: this tile's and the next two's, or the next one's
+  // where the tail's block needs more (up to 8 rows: its own arrays, which
+  // the block's static shared memory, under 48 KB, also holds).
+  constexpr int VS = R <= 4 ? 3 : 2;
   __shared__ __align__(16) uint32_t sv[NW][VS][16 * VRS];
 
   // Up to 15 KB of scales and biases (whole tiles of the warps' keys): the
@@ -150,8 +153,8 @@ _DECODE_MMA = """
   Keys cur, nxt;
   if constexpr (PF) load_keys(cur, k_begin + 16 * warp);
   int it = 0;
-  copy_values(sv[warp][0], k_begin + 16 * warp);
-  copy_values(sv[warp][1], k_begin + 16 * (warp + NW));
+#pragma unroll
+  for (int i = 0; i < VS - 1; i++) copy_values(sv[warp][i], k_begin + 16 * (warp + i * NW));
   for (int c0 = k_begin; c0 < k_end; c0 += CK) {
     const int nk = min(CK, k_end - c0) * NGR;
     __syncthreads();
@@ -169,7 +172,7 @@ _DECODE_MMA = """
 #pragma unroll 2
     for (int base = c0 + 16 * warp; base < c0 + CK && base < k_end; base += 16 * NW) {
       __syncwarp();  // the lanes are done with the buffer refilled here
-      copy_values(sv[warp][(it + 2) % VS], base + 32 * NW);
+      copy_values(sv[warp][(it + VS - 1) % VS], base + 16 * (VS - 1) * NW);
       // Scales of keys 2c, 2c + 1, 2c + 8, 2c + 9 (A of the outputs: its k16 columns).
       float vss[4], vsb[4];
 #pragma unroll
@@ -270,7 +273,7 @@ _DECODE_MMA = """
 
       // Outputs, transposed (dims x rows): A the values times their scales;
       // m-tile i's rows g and g + 8 are dims g * VD + 2i and g * VD + 2i + 1.
-      cp_async_wait<2>();  // this tile's values, not the next two's
+      cp_async_wait<VS - 1>();  // this tile's values, not the next ones'
       __syncwarp();
       uint32_t vwr[4][VW];
 #pragma unroll

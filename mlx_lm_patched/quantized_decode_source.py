@@ -157,6 +157,7 @@ __device__ __forceinline__ void copy_rows(
   const int lane = threadIdx.x % 32;
   if constexpr (VEC) {
     constexpr int PR = WR / 4, RS = 32 / PR;
+    static_assert(WR % 4 == 0 && 32 % PR == 0 && 16 % RS == 0, "rows a lane's pieces tile");
     const int r0 = lane / PR, j = 4 * (lane % PR);
     const uint32_t* const src = p + (base + r0) * rs + j;
 #pragma unroll

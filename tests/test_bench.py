@@ -335,6 +335,33 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
     assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
     assert row["ratios"]["q8_tokens_equal_old_road"] is True
     assert row["targets"]["q8"]["tokens_equal_old_road"] is True
+    assert not (tmp_path / "q.json.partial").exists()  # every round done
+
+
+def test_qdecode_e2e_cut_off_keeps_its_finished_rounds(tmp_path, monkeypatch):
+    """A run stopped in its second round (here: its next process refused)
+    leaves the first round's summary in ``<out>.partial``."""
+    from mlx_lm_patched.bench import qdecode
+
+    run, calls = qdecode.subprocess.run, []
+
+    def refuse_the_second_round(argv, **kw):
+        calls.append(argv)
+        if len(calls) > 2:
+            raise RuntimeError("cut off")
+        return run(argv, **kw)
+
+    monkeypatch.setattr(qdecode.subprocess, "run", refuse_the_second_round)
+    tiny = "--parts e2e --sides bf16,q8 --layers 2 --hidden 64 --heads 4 "
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 --chunk 64 "
+    tiny += "--decode 8 --rounds 3 --device cpu"
+    with pytest.raises(RuntimeError, match="cut off"):
+        qdecode.main([*tiny.split(), "--out", str(tmp_path / "q.json")])
+    kept = json.loads((tmp_path / "q.json.partial").read_text())
+    assert kept["rounds_done"] == 1
+    sides = kept["e2e"]["96"]["sides"]
+    assert set(sides) == {"bf16", "q8"} and sides["q8"]["decode_tok_s"] > 0
+    assert "q8_over_bf16_decode_tok_s" in kept["e2e"]["96"]["ratios"]
 
 
 def test_qdecode_host_times_every_side_in_one_process():

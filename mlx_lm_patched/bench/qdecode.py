@@ -376,9 +376,14 @@ def e2e(args):
     """Each side's process ``--rounds`` times, the sides taking turns (the
     old road's once: its tokens); a side's decode tokens/s is its median
     over the rounds (a process's figure moved by up to 10% between runs on
-    one machine), the rest its first round's."""
-    sides = {}
+    one machine), the rest its first round's. With ``--out``, the finished
+    rounds' summary goes to ``<out>.partial`` after each round (a run cut
+    off keeps them), removed once all are done."""
+    sides, partial = {}, args.out and args.out + ".partial"
     for round_ in range(args.rounds):
+        if round_ and partial:
+            with open(partial, "w") as f:
+                json.dump({"rounds_done": round_, "e2e": _e2e_summary(args, sides)}, f)
         for side in args.sides:
             if round_ and side.endswith("_old"):  # its tokens are needed once
                 continue
@@ -407,6 +412,13 @@ def e2e(args):
                     first["decode_tok_s"] = float(
                         np.median(first["decode_tok_s_rounds"])
                     )
+    if partial and os.path.exists(partial):
+        os.remove(partial)
+    return _e2e_summary(args, sides)
+
+
+def _e2e_summary(args, sides):
+    """Each length's sides, their ratios to bfloat16's and #29's targets."""
     out = {}
     for n in map(str, args.prompts):
         row = {s: dict(sides[s].get(n, sides[s])) for s in sides}

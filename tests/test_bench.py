@@ -340,7 +340,8 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
 
 def test_qdecode_e2e_cut_off_keeps_its_finished_rounds(tmp_path, monkeypatch):
     """A run stopped in its second round (here: its next process refused)
-    leaves the first round's summary in ``<out>.partial``."""
+    leaves the first round's summary in ``<out>.partial``; the second
+    round takes the sides in reverse."""
     from mlx_lm_patched.bench import qdecode
 
     run, calls = qdecode.subprocess.run, []
@@ -362,6 +363,8 @@ def test_qdecode_e2e_cut_off_keeps_its_finished_rounds(tmp_path, monkeypatch):
     sides = kept["e2e"]["96"]["sides"]
     assert set(sides) == {"bf16", "q8"} and sides["q8"]["decode_tok_s"] > 0
     assert "q8_over_bf16_decode_tok_s" in kept["e2e"]["96"]["ratios"]
+    order = [argv[argv.index("--side") + 1] for argv in calls]
+    assert order == ["bf16", "q8", "q8"]
 
 
 def test_qdecode_host_times_every_side_in_one_process():

@@ -374,7 +374,7 @@ def host(args):
 
 def e2e(args):
     """Each side's process ``--rounds`` times, the sides taking turns (the
-    old road's once: its tokens); a side's decode tokens/s is its median
+    old road's once: its tokens), every other round in reverse; a side's decode tokens/s is its median
     over the rounds (a process's figure moved by up to 10% between runs on
     one machine), the rest its first round's. With ``--out``, the finished
     rounds' summary goes to ``<out>.partial`` after each round (a run cut
@@ -384,7 +384,9 @@ def e2e(args):
         if round_ and partial:
             with open(partial, "w") as f:
                 json.dump({"rounds_done": round_, "e2e": _e2e_summary(args, sides)}, f)
-        for side in args.sides:
+        # Every other round in reverse: a drift of the host over the run
+        # does not favour the sides that come first.
+        for side in args.sides[:: -1 if round_ % 2 else 1]:
             if round_ and side.endswith("_old"):  # its tokens are needed once
                 continue
             env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL=SIDES[side][1])

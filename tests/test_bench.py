@@ -6,6 +6,7 @@ upstream side.
 """
 
 import json
+import statistics
 from pathlib import Path
 
 import mlx.core as mx
@@ -331,8 +332,11 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
     tiny += "--decode 8 --rounds 2 --device cpu"
     out = qdecode.main([*tiny.split(), "--out", str(tmp_path / "q.json")])
     row = out["e2e"]["96"]
-    rounds = {s: len(r["decode_tok_s_rounds"]) for s, r in row["sides"].items()}
-    assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
+    for k in ("decode_tok_s", "prefill_s"):  # each a median over its rounds
+        rounds = {s: len(r[f"{k}_rounds"]) for s, r in row["sides"].items()}
+        assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
+        for r in row["sides"].values():
+            assert r[k] == pytest.approx(statistics.median(r[f"{k}_rounds"]))
     assert row["ratios"]["q8_tokens_equal_old_road"] is True
     assert row["targets"]["q8"]["tokens_equal_old_road"] is True
     assert not (tmp_path / "q.json.partial").exists()  # every round done

@@ -374,9 +374,10 @@ def host(args):
 
 def e2e(args):
     """Each side's process ``--rounds`` times, the sides taking turns (the
-    old road's once: its tokens), every other round in reverse; a side's decode tokens/s is its median
-    over the rounds (a process's figure moved by up to 10% between runs on
-    one machine), the rest its first round's. With ``--out``, the finished
+    old road's once: its tokens), every other round in reverse; a side's
+    decode tokens/s and prefill seconds are its medians over the rounds (a
+    process's figure moved by up to a third between runs on one machine),
+    the rest its first round's. With ``--out``, the finished
     rounds' summary goes to ``<out>.partial`` after each round (a run cut
     off keeps them), removed once all are done."""
     sides, partial = {}, args.out and args.out + ".partial"
@@ -409,11 +410,9 @@ def e2e(args):
             for n, r in got.items():
                 if "decode_tok_s" in sides[side].get(n, {}):
                     first = sides[side][n]
-                    first.setdefault("decode_tok_s_rounds", [])
-                    first["decode_tok_s_rounds"].append(r["decode_tok_s"])
-                    first["decode_tok_s"] = float(
-                        np.median(first["decode_tok_s_rounds"])
-                    )
+                    for k in ("decode_tok_s", "prefill_s"):
+                        first.setdefault(f"{k}_rounds", []).append(r[k])
+                        first[k] = float(np.median(first[f"{k}_rounds"]))
     if partial and os.path.exists(partial):
         os.remove(partial)
     return _e2e_summary(args, sides)

@@ -96,14 +96,6 @@ _DECODE_MMA = """
 #pragma unroll
   for (int gi = 0; gi < NGR; gi++) ob[0][gi] = ob[1][gi] = 0.f;
 
-  // The scales and biases of up to CK keys, staged in shared memory by the
-  // block at once, their loads all in flight together (loaded by each warp
-  // with its keys, their first uses were the kernel's longest stalls). H200,
-  // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 26.9 / 42.2 / 59.7
-  // us before, 28.8 / 39.1 / 56.1 staged; 4 bits 27.7 / 40.2 / 58.8, 27.5 /
-  // 39.6 / 57.6.
-  using ST = cuda::std::remove_cv_t<cuda::std::remove_reference_t<decltype(ks[0])>>;
-
   // A warp's values, 16 keys at a time, copied to shared memory (cp.async)
   // up to two tiles ahead of their use: no registers hold them in flight. H200,
   // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 29.4 / 44.6 / 59.2
@@ -115,6 +107,13 @@ _DECODE_MMA = """
   constexpr int VS = R <= 4 ? 3 : 2;
   __shared__ __align__(16) uint32_t sv[NW][VS][16 * VRS];
 
+  // The scales and biases of up to CK keys, staged in shared memory by the
+  // block at once, their loads all in flight together (loaded by each warp
+  // with its keys, their first uses were the kernel's longest stalls). H200,
+  // ncu, means of 8 launches, 4k / 16k / 32k keys: 8 bits 26.9 / 42.2 / 59.7
+  // us before, 28.8 / 39.1 / 56.1 staged; 4 bits 27.7 / 40.2 / 58.8, 27.5 /
+  // 39.6 / 57.6.
+  using ST = cuda::std::remove_cv_t<cuda::std::remove_reference_t<decltype(ks[0])>>;
   // Up to 15 KB of scales and biases (whole tiles of the warps' keys): the
   // block's static shared memory stays under 48 KB. After the loop the
   // warps' outputs (so, below) take sv's bytes where they fit, else these.

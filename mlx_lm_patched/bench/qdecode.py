@@ -347,8 +347,8 @@ def host(args):
             for side in sides:
                 times = _step_times(model, tokens[side], caches[side])
                 if step >= 3:
-                    for v, t in zip(res[side], times):
-                        v.append(t)
+                    for series, t in zip(res[side], times):
+                        series.append(t)
         x = mx.random.normal((1, args.heads, 1, args.hidden // args.heads))
         kv = mx.random.normal((1, args.kv_heads, 1, args.hidden // args.heads))
         x, kv = x.astype(mx.bfloat16), kv.astype(mx.bfloat16)
@@ -363,7 +363,7 @@ def host(args):
                 o = base.scaled_dot_product_attention(x, k, v, c, 0.088, None)
             attended = time.perf_counter()
             mx.eval(o, k, v)
-            med = [round(1e3 * float(np.median(v)), 3) for v in res[side]]
+            med = [round(1e3 * float(np.median(x)), 3) for x in res[side]]
             row[side] = dict(zip(("build_ms", "launch_ms", "synced_ms"), med))
             row[side]["update_us"] = round(1e6 * (updated - tic) / calls, 2)
             row[side]["attention_us"] = round(1e6 * (attended - updated) / calls, 2)

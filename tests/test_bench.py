@@ -323,52 +323,99 @@ def test_quality_bench_agrees_fully_where_the_cache_is_exact(make_tiny_dir):
 
 
 def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
-    """Every side but the old road's runs ``--rounds`` processes; the old
-    road's runs once, for the tokens the others are compared with."""
+    """Every side but the old road's is measured ``--rounds`` times; the old
+    road's once, for the tokens the others are compared with."""
     from mlx_lm_patched.bench import qdecode
 
     tiny = "--parts e2e --sides bf16,q8,q8_old --layers 2 --hidden 64 --heads 4 "
-    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 --chunk 64 "
-    tiny += "--decode 8 --rounds 2 --device cpu"
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96,80 "
+    tiny += "--chunk 64 --decode 8 --rounds 2 --device cpu"
     out = qdecode.main([*tiny.split(), "--out", str(tmp_path / "q.json")])
-    row = out["e2e"]["96"]
-    for k in ("decode_tok_s", "prefill_s"):  # each a median over its rounds
-        rounds = {s: len(r[f"{k}_rounds"]) for s, r in row["sides"].items()}
-        assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
-        for r in row["sides"].values():
-            assert r[k] == pytest.approx(statistics.median(r[f"{k}_rounds"]))
-    assert row["ratios"]["q8_tokens_equal_old_road"] is True
-    assert row["targets"]["q8"]["tokens_equal_old_road"] is True
+    for n in ("96", "80"):
+        row = out["e2e"][n]
+        for k in ("decode_tok_s", "prefill_s"):  # each a median over its rounds
+            rounds = {s: len(r[f"{k}_rounds"]) for s, r in row["sides"].items()}
+            assert rounds == {"bf16": 2, "q8": 2, "q8_old": 1}
+            for r in row["sides"].values():
+                assert r[k] == pytest.approx(statistics.median(r[f"{k}_rounds"]))
+        assert row["ratios"]["q8_tokens_equal_old_road"] is True
+        assert row["targets"]["q8"]["tokens_equal_old_road"] is True
     assert not (tmp_path / "q.json.partial").exists()  # every round done
 
 
-def test_qdecode_e2e_cut_off_keeps_its_finished_rounds(tmp_path, monkeypatch):
-    """A run stopped in its second round (here: its next process refused)
-    leaves the first round's summary in ``<out>.partial``; the second
-    round takes the sides in reverse."""
+def test_qdecode_e2e_sides_take_turns_and_a_cut_off_keeps_finished_rounds(
+    tmp_path, monkeypatch
+):
+    """The sides' processes prefill a prompt each, then decode in turns of
+    ``--segment`` tokens, each turn the other way round, every other round
+    starting from the other end; a run stopped in its second round (here:
+    its next request refused) leaves the first round's summary in
+    ``<out>.partial`` and no side's process behind."""
     from mlx_lm_patched.bench import qdecode
 
-    run, calls = qdecode.subprocess.run, []
+    ask, asked, procs = qdecode._ask, [], set()
 
-    def refuse_the_second_round(argv, **kw):
-        calls.append(argv)
-        if len(calls) > 2:
+    def refuse_the_second_round(proc, request):
+        asked.append((proc.args[proc.args.index("--side") + 1], *request.items()))
+        procs.add(proc)
+        if len(asked) > 20:
             raise RuntimeError("cut off")
-        return run(argv, **kw)
+        return ask(proc, request)
 
-    monkeypatch.setattr(qdecode.subprocess, "run", refuse_the_second_round)
+    monkeypatch.setattr(qdecode, "_ask", refuse_the_second_round)
     tiny = "--parts e2e --sides bf16,q8 --layers 2 --hidden 64 --heads 4 "
-    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 --chunk 64 "
-    tiny += "--decode 8 --rounds 3 --device cpu"
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96,80 "
+    tiny += "--chunk 64 --decode 8 --segment 3 --rounds 3 --device cpu"
     with pytest.raises(RuntimeError, match="cut off"):
         qdecode.main([*tiny.split(), "--out", str(tmp_path / "q.json")])
     kept = json.loads((tmp_path / "q.json.partial").read_text())
     assert kept["rounds_done"] == 1
-    sides = kept["e2e"]["96"]["sides"]
-    assert set(sides) == {"bf16", "q8"} and sides["q8"]["decode_tok_s"] > 0
-    assert "q8_over_bf16_decode_tok_s" in kept["e2e"]["96"]["ratios"]
-    order = [argv[argv.index("--side") + 1] for argv in calls]
-    assert order == ["bf16", "q8", "q8"]
+    for n in ("96", "80"):
+        sides = kept["e2e"][n]["sides"]
+        assert set(sides) == {"bf16", "q8"} and sides["q8"]["decode_tok_s"] > 0
+        assert "q8_over_bf16_decode_tok_s" in kept["e2e"][n]["ratios"]
+    b, q = "bf16", "q8"
+    # 7 tokens after the prefill's: turns of 3, 3 and 1, each the other way.
+    turns = [(b, 3), (q, 3), (q, 3), (b, 3), (b, 1), (q, 1)]
+    assert asked[:10] == [
+        (b, ("prompt", 96)),
+        (q, ("prompt", 96)),
+        *((side, ("decode", k)) for side, k in turns),
+        (q, ("end", True)),
+        (b, ("end", True)),
+    ]
+    assert [a[1] for a in asked[10:12]] == [("prompt", 80)] * 2
+    assert asked[20] == (q, ("prompt", 96))  # the second round, the other end
+    assert len(procs) == 2  # one process a side, for every round
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
+    monkeypatch,
+):
+    """A side's process gone (killed here) gives that side an error at every
+    length; the other sides are measured and compared without it."""
+    from mlx_lm_patched.bench import qdecode
+
+    start = qdecode._start_side
+
+    def kill_q8(args, side):
+        proc = start(args, side)
+        if side == "q8":
+            proc.kill()
+        return proc
+
+    monkeypatch.setattr(qdecode, "_start_side", kill_q8)
+    tiny = "--parts e2e --sides bf16,q8,q4 --layers 2 --hidden 64 --heads 4 "
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96,80 "
+    tiny += "--chunk 64 --decode 8 --rounds 2 --device cpu"
+    out = qdecode.main(tiny.split())["e2e"]
+    for n in ("96", "80"):
+        assert set(out[n]["sides"]["q8"]) == {"error"}
+        assert out[n]["sides"]["q4"]["decode_tok_s_rounds"][1] > 0
+        ratios = out[n]["ratios"]
+        assert ratios["q4_over_bf16_decode_tok_s"] > 0
+        assert not any(k.startswith("q8") for k in ratios)
 
 
 def test_qdecode_host_times_every_side_in_one_process():

@@ -15,14 +15,14 @@ Its parts, one JSON:
   the Llama-8B shape (32 query heads over 8, head dim 128), per layer:
   kernel, old road, and ``mx.fast.scaled_dot_product_attention`` over a
   bfloat16 cache; the kernel at several ``TARGET_BLOCKS`` and query counts.
-- ``e2e``: each side in its own process (``--side``): a random-weight
-  Llama-8B shape (``e2e.build_model``), ``generate_step`` with each
-  ``--prompts`` length, ``--chunk``-token prefill steps, ``--decode``
-  greedy tokens, once to warm up and once measured (``--rounds`` processes
-  a side, the median decode tokens/s). Sides: ``bf16``
-  (``KVCache``), ``q8`` and ``q4`` (``--kv-bits``, the kernel), ``q8_old``
-  and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old road, run in
-  the first round only).
+- ``e2e``: each side in its own process (``--side``), the sides' processes
+  side by side, taking turns: a random-weight Llama-8B shape
+  (``e2e.build_model``), ``generate_step`` with each ``--prompts`` length,
+  ``--chunk``-token prefill steps, ``--decode`` greedy tokens, once to warm
+  up and ``--rounds`` times measured (the median decode tokens/s). Sides:
+  ``bf16`` (``KVCache``), ``q8`` and ``q4`` (``--kv-bits``, the kernel),
+  ``q8_old`` and ``q4_old`` (``MLX_LM_PATCHED_DECODE_KERNEL=0``: the old
+  road, measured once, after the others).
   Decode tokens/s, prefill seconds, the prefill's peak above the weights,
   whether the greedy tokens equal the old road's, and one more step's host
   build, launch and whole (``step_host_ms``, ``step_launch_ms``,
@@ -41,10 +41,12 @@ Its parts, one JSON:
 """
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import mlx.core as mx
@@ -212,70 +214,92 @@ def _step_times(model, token, cache):
 
 
 def run_side(args):
-    """One side, in this process: each prompt once to warm up, once measured."""
+    """One side in this process, driven by ``e2e`` over stdin, a JSON line a
+    request, each answered by one on stdout: ``{"prompt": n}`` prefills a
+    prompt of n tokens (the first time at a length after a whole run to
+    warm up: every path compiled, the tail's flush included) and answers
+    its prefill; ``{"decode": k}`` decodes its next k tokens, synced;
+    ``{"end": true}`` answers the run's figures."""
     kv_bits, _ = SIDES[args.side]
     _settings(args.kt, args.blocks, args.pf)
     mx.random.seed(0)  # every side's process, the same weights
     model = build_model(args)
     _fresh()
     weights = mx.get_active_memory()
-    result = {}
-    for n in args.prompts:
-        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
-        for measured in (False, True):
+    warm = set()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        if "prompt" in ask:
+            n = ask["prompt"]
+            prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
+            if n not in warm:
+                warm.add(n)
+                for _ in _greedy(
+                    model, prompt, args, kv_bits, make_prompt_cache(model)
+                ):
+                    pass
             _fresh()
             mx.reset_peak_memory()
             tic = time.perf_counter()
             cache = make_prompt_cache(model)
-            gen = _greedy(model, prompt, args, kv_bits, cache, measured)
-            tokens = [next(gen)[0]]
+            gen = _greedy(model, prompt, args, kv_bits, cache)
+            tokens, steps, decode_s = [next(gen)[0]], [], 0.0
             prefill_s = time.perf_counter() - tic
-            prefill_peak = _peak(weights)
-            steps, tic = [], time.perf_counter()
-            for t, _ in gen:
+            answer = {"prefill_s": round(prefill_s, 4), "prefill_peak": _peak(weights)}
+        elif "decode" in ask:
+            start = tic = time.perf_counter()
+            for t, _ in itertools.islice(gen, ask["decode"]):
                 tokens.append(t)
                 steps.append(time.perf_counter() - tic)
                 tic = time.perf_counter()
-            decode_s = sum(steps)
-            del gen
-        # One more step by hand: the host's time to build it, to launch it
-        # (``mx.async_eval``'s call), then the whole. A pipelined step takes
-        # about build + launch where the host bounds it.
-        host, launch, step = zip(
-            *(_step_times(model, tokens[-1], cache) for _ in range(10))
-        )
-        del cache
-        result[str(n)] = {}
-        if args.side.endswith("_old"):  # how close the old road's picks were
-            gen = _greedy(model, prompt, args, kv_bits, make_prompt_cache(model))
-            margins = []
-            for _, logprobs in gen:
-                top = mx.topk(logprobs, 2)
-                margins.append(round(abs(top[0] - top[1]).item(), 5))
-            result[str(n)]["top2_margins"] = margins
-        result[str(n)] |= {
-            "step_host_ms": round(1e3 * float(np.median(host)), 3),
-            "step_launch_ms": round(1e3 * float(np.median(launch)), 3),
-            "step_synced_ms": round(1e3 * float(np.median(step)), 3),
-            "prefill_s": round(prefill_s, 4),
-            "prefill_peak": prefill_peak,
-            "decode_tok_s": round((len(tokens) - 1) / decode_s, 2),
-            "decode_tok_s_median_step": round(1 / float(np.median(steps)), 2),
-            # Where the mean and the median part: the slowest steps (index, ms).
-            "step_ms_p90": round(1e3 * float(np.percentile(steps, 90)), 3),
-            "slow_steps": [
-                (i, round(1e3 * s, 2))
-                for i, s in enumerate(steps)
-                if s > 1.5 * np.median(steps)
-            ][:20],
-            "tokens": tokens,
-        }
-        print(
-            f"[qdecode] {args.side} {n} {result[str(n)]['decode_tok_s']} tok/s",
-            file=sys.stderr,
-            flush=True,
-        )
-    return result
+            mx.synchronize()  # the next step, launched, is this segment's
+            decode_s += time.perf_counter() - start
+            answer = {"decoded": len(tokens) - 1}
+        else:
+            answer = _side_figures(model, cache, tokens, steps, decode_s)
+            if args.side.endswith("_old"):
+                answer["top2_margins"] = _old_road_margins(args, model, prompt, kv_bits)
+            print(
+                f"[qdecode] {args.side} {n} {answer['decode_tok_s']}", file=sys.stderr
+            )
+            del gen, cache
+        print(json.dumps(answer), flush=True)
+
+
+def _side_figures(model, cache, tokens, steps, decode_s):
+    """A run's decode figures and tokens, and one more step's by hand: the
+    host's time to build it, to launch it (``mx.async_eval``'s call), then
+    the whole. A pipelined step takes about build + launch where the host
+    bounds it."""
+    host, launch, step = zip(
+        *(_step_times(model, tokens[-1], cache) for _ in range(10))
+    )
+    return {
+        "step_host_ms": round(1e3 * float(np.median(host)), 3),
+        "step_launch_ms": round(1e3 * float(np.median(launch)), 3),
+        "step_synced_ms": round(1e3 * float(np.median(step)), 3),
+        "decode_tok_s": round((len(tokens) - 1) / decode_s, 2),
+        "decode_tok_s_median_step": round(1 / float(np.median(steps)), 2),
+        # Where the mean and the median part: the slowest steps (index, ms).
+        "step_ms_p90": round(1e3 * float(np.percentile(steps, 90)), 3),
+        "slow_steps": [
+            (i, round(1e3 * s, 2))
+            for i, s in enumerate(steps)
+            if s > 1.5 * np.median(steps)
+        ][:20],
+        "tokens": tokens,
+    }
+
+
+def _old_road_margins(args, model, prompt, kv_bits):
+    """How close the old road's picks were: the gap between each step's two
+    best log-probabilities."""
+    gen = _greedy(model, prompt, args, kv_bits, make_prompt_cache(model))
+    margins = []
+    for _, logprobs in gen:
+        top = mx.topk(logprobs, 2)
+        margins.append(round(abs(top[0] - top[1]).item(), 5))
+    return margins
 
 
 def _one_process(args):
@@ -372,50 +396,119 @@ def host(args):
     return out
 
 
+def _start_side(args, side):
+    """A side's process (``run_side``): its model built, waiting for
+    requests; its stderr kept in a file (``err``) for a failure's message."""
+    env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL=SIDES[side][1])
+    argv = [sys.executable, "-m", __name__, "--side", side]
+    argv += ["--decode", str(args.decode), "--chunk", str(args.chunk)]
+    argv += ["--blocks", str(args.blocks), "--kt", str(args.kt)]
+    argv += ["--pf", str(int(args.pf))]
+    for k in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    argv += ["--vocab", str(args.vocab)]
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err
+    )
+    proc.err = err
+    return proc
+
+
+def _ask(proc, ask):
+    """A side's answer to one request (``run_side``), or its error."""
+    try:
+        proc.stdin.write((json.dumps(ask) + "\n").encode())
+        proc.stdin.flush()
+        for line in proc.stdout:
+            if line.startswith(b"{"):
+                return json.loads(line)
+    except BrokenPipeError:
+        pass
+    proc.wait()
+    proc.err.seek(0)
+    return {"error": proc.err.read()[-500:]}
+
+
+def _stop_sides(procs):
+    """End the sides' processes (they leave their loop at stdin's end)."""
+    for proc in procs.values():
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:  # gone already, a request unsent
+            pass
+        proc.wait()
+        proc.err.close()
+
+
+def _run_sides(args, procs, order, n):
+    """One run of each side at a prompt of ``n`` tokens: every side
+    prefills, then their decodes take turns ``--segment`` tokens at a time
+    (each turn the other way round). A side's answers, or its error."""
+    got = {s: _ask(procs[s], {"prompt": n}) for s in order}
+    left = args.decode - 1  # the prefill gave the first token
+    while left > 0:
+        for side in order:
+            if "error" not in got[side]:
+                answer = _ask(procs[side], {"decode": min(args.segment, left)})
+                if "error" in answer:
+                    got[side] = answer
+        left -= args.segment
+        order = order[::-1]
+    for side in order:
+        if "error" not in got[side]:
+            got[side] |= _ask(procs[side], {"end": True})
+    return got
+
+
 def e2e(args):
-    """Each side's process ``--rounds`` times, the sides taking turns (the
-    old road's once: its tokens), every other round in reverse; a side's
-    decode tokens/s and prefill seconds are its medians over the rounds (a
-    process's figure moved by up to a third between runs on one machine),
-    the rest its first round's. With ``--out``, the finished
-    rounds' summary goes to ``<out>.partial`` after each round (a run cut
-    off keeps them), removed once all are done."""
+    """Each side in a process of its own, the sides' processes all started
+    at once (each builds the model) and run side by side: a prompt at a
+    time, the sides prefill, then decode in turns of ``--segment`` tokens,
+    ``--rounds`` times (every other round in reverse). On the GPU machine
+    the host ran in fast and slow spells of about a second (decode steps
+    of 4.8 and 7.4 ms, bfloat16 at 4k): runs one after another met them by
+    chance, turns this short meet them alike. A side's decode tokens/s and
+    prefill seconds are its medians over the rounds, the rest its first
+    round's. The old road's sides run once, after the others (their
+    tokens), each alone. With ``--out``, the finished rounds' summary goes
+    to ``<out>.partial`` after each round (a run cut off keeps them),
+    removed once all are done."""
     sides, partial = {}, args.out and args.out + ".partial"
-    for round_ in range(args.rounds):
-        if round_ and partial:
-            with open(partial, "w") as f:
-                json.dump({"rounds_done": round_, "e2e": _e2e_summary(args, sides)}, f)
-        # Every other round in reverse: a drift of the host over the run
-        # does not favour the sides that come first.
-        for side in args.sides[:: -1 if round_ % 2 else 1]:
-            if round_ and side.endswith("_old"):  # its tokens are needed once
-                continue
-            env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL=SIDES[side][1])
-            argv = [sys.executable, "-m", __name__, "--side", side]
-            argv += ["--prompts", ",".join(map(str, args.prompts))]
-            argv += ["--decode", str(args.decode), "--chunk", str(args.chunk)]
-            argv += ["--blocks", str(args.blocks), "--kt", str(args.kt)]
-            argv += ["--pf", str(int(args.pf))]
-            for k in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
-                argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-            argv += ["--vocab", str(args.vocab)]
-            done = subprocess.run(argv, env=env, capture_output=True, text=True)
-            sys.stderr.write(done.stderr[-3000:])
-            if done.returncode:
-                sides[side] = {"error": done.stderr[-500:]}
-                continue
-            got = json.loads(done.stdout.strip().splitlines()[-1])
-            if side not in sides:
-                sides[side] = got
-            for n, r in got.items():
-                if "decode_tok_s" in sides[side].get(n, {}):
-                    first = sides[side][n]
-                    for k in ("decode_tok_s", "prefill_s"):
-                        first.setdefault(f"{k}_rounds", []).append(r[k])
-                        first[k] = float(np.median(first[f"{k}_rounds"]))
+    kernel = [s for s in args.sides if not s.endswith("_old")]
+    procs = {s: _start_side(args, s) for s in kernel}
+    try:
+        for round_ in range(args.rounds):
+            if round_ and partial:
+                with open(partial, "w") as f:
+                    summary = _e2e_summary(args, sides)
+                    json.dump({"rounds_done": round_, "e2e": summary}, f)
+            for n in args.prompts:
+                order = kernel[:: -1 if round_ % 2 else 1]
+                for side, got in _run_sides(args, procs, order, n).items():
+                    _add_round(sides, side, n, got)
+    finally:
+        _stop_sides(procs)
+    for side in (s for s in args.sides if s.endswith("_old")):
+        procs = {side: _start_side(args, side)}
+        try:
+            for n in args.prompts:
+                _add_round(sides, side, n, _run_sides(args, procs, [side], n)[side])
+        finally:
+            _stop_sides(procs)
     if partial and os.path.exists(partial):
         os.remove(partial)
     return _e2e_summary(args, sides)
+
+
+def _add_round(sides, side, n, got):
+    """Keep a side's first figures for ``n``; medians over its rounds of
+    decode tokens/s and prefill seconds."""
+    row = sides.setdefault(side, {}).setdefault(str(n), got)
+    if "decode_tok_s" in got and "decode_tok_s" in row:
+        for k in ("decode_tok_s", "prefill_s"):
+            row.setdefault(f"{k}_rounds", []).append(got[k])
+            row[k] = float(np.median(row[f"{k}_rounds"]))
 
 
 def _e2e_summary(args, sides):
@@ -495,6 +588,7 @@ def build_parser():
     p.add_argument("--prompts", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--decode", type=int, default=256)
+    p.add_argument("--segment", type=int, default=32, help="e2e: decode tokens a turn")
     p.add_argument("--rounds", type=int, default=1, help="e2e, turns: a side's runs")
     p.add_argument("--steps", type=int, default=30, help="host: steps a side")
     p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)

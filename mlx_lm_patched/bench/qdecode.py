@@ -467,13 +467,14 @@ def e2e(args):
     time, the sides prefill, then decode in turns of ``--segment`` tokens,
     ``--rounds`` times (every other round in reverse). On the GPU machine
     the host ran in fast and slow spells of about a second (decode steps
-    of 4.8 and 7.4 ms, bfloat16 at 4k): runs one after another met them by
-    chance, turns this short meet them alike. A side's decode tokens/s and
-    prefill seconds are its medians over the rounds, the rest its first
-    round's. The old road's sides run once, after the others (their
-    tokens), each alone. With ``--out``, the finished rounds' summary goes
-    to ``<out>.partial`` after each round (a run cut off keeps them),
-    removed once all are done."""
+    of 4.8 and 7.4 ms, bfloat16 at 4k), each vCPU its own: run on one core
+    (``taskset -c N``), the sides' turns meet them alike (their rounds then
+    moved together), where runs one after another met them by chance. A
+    side's decode tokens/s and prefill seconds are its medians over the
+    rounds, the rest its first round's. The old road's sides run once,
+    after the others (their tokens), each alone. With ``--out``, the
+    finished rounds' summary goes to ``<out>.partial`` after each round (a
+    run cut off keeps them), removed once all are done."""
     sides, partial = {}, args.out and args.out + ".partial"
     kernel = [s for s in args.sides if not s.endswith("_old")]
     procs = {s: _start_side(args, s) for s in kernel}

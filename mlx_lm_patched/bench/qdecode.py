@@ -260,7 +260,8 @@ def run_side(args):
             if args.side.endswith("_old"):
                 answer["top2_margins"] = _old_road_margins(args, model, prompt, kv_bits)
             print(
-                f"[qdecode] {args.side} {n} {answer['decode_tok_s']}", file=sys.stderr
+                f"[qdecode] {args.side} {n} {answer['decode_tok_s']} tok/s",
+                file=sys.stderr,
             )
             del gen, cache
         print(json.dumps(answer), flush=True)

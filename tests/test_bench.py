@@ -340,6 +340,13 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
                 assert r[k] == pytest.approx(statistics.median(r[f"{k}_rounds"]))
         assert row["ratios"]["q8_tokens_equal_old_road"] is True
         assert row["targets"]["q8"]["tokens_equal_old_road"] is True
+        # Paired turn by turn: bfloat16's seconds over q8's, each turn (7
+        # tokens: one a round), their median; the old road, alone, unpaired.
+        turns = [sum(row["sides"][s]["turns_s_rounds"], []) for s in ("bf16", "q8")]
+        assert len(turns[0]) == len(turns[1]) == 2
+        paired = statistics.median(b / q for b, q in zip(*turns))
+        assert row["ratios"]["q8_over_bf16_decode_paired"] == round(paired, 3)
+        assert "q8_old_over_bf16_decode_paired" not in row["ratios"]
     assert not (tmp_path / "q.json.partial").exists()  # every round done
 
 

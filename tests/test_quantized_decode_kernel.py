@@ -4,7 +4,9 @@ dequantized cache; and which calls reach the kernel. The kernel itself is
 checked on a GPU by ``python -m mlx_lm_patched.bench qdecode`` (its
 ``check`` part)."""
 
+import hashlib
 import os
+import stat
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ from ringref import fake_backend, random_kv, single_stream
 import mlx_lm_patched
 from mlx_lm_patched import quantized_decode_kernel as qa
 from mlx_lm_patched import tiny
+from mlx_lm_patched.quantized_decode_mma import _DECODE_MMA
 from mlx_lm_patched.quantized_decode_reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
@@ -177,6 +180,53 @@ def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
     assert kernel == "mma" and ("PF", True) in mma["template"]
     monkeypatch.setattr(base, "DECODE_PREFETCH", False)
     assert ("PF", False) in qa._decode_launch(*args)[1]["template"]
+
+
+@pytest.mark.parametrize("name", ["mma", "partial", "reduce"])
+def test_a_kernel_s_source_comes_from_files_its_call_includes(
+    monkeypatch, tmp_path, name
+):
+    """A kernel's call carries a few hundred bytes (MLX copies and hashes
+    them at every call and launch): its constants, the inputs' shapes and
+    strides its source names (which MLX then passes, as with the whole
+    source), and #includes of its source and header, each written once to
+    a file named by its hash in a folder of this user's alone; a file
+    changed on disk is written again before use, and a folder others may
+    write to keeps the source in the call."""
+    from mlx_lm_patched import quantized_decode_source as src
+
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw))
+    monkeypatch.setattr(base, "_decode_kernels", {})
+    monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path))
+    monkeypatch.setattr(base, "DECODE_MMA", name == "mma")
+    args = (1, 32, 1, 128, 8, 128, 8, 64, 1, False, 16, mx.bfloat16, 64)
+    first, partial, reduce = qa._decode_launch(*args)
+    template = (reduce if name == "reduce" else partial)["template"]
+    base._decode_kernel(name, template)
+    (call,) = made
+    body = {"mma": _DECODE_MMA, "partial": src._DECODE_PARTIAL}
+    body = qa._minified(body.get(name, src._DECODE_REDUCE))
+    header = src._DECODE_DEFINES if name == "reduce" else src._DECODE_HEADER
+    header = qa._minified(header)
+    files = sorted((tmp_path / "cuda").iterdir())
+    assert sorted(f.read_text() for f in files) == sorted([body, header])
+    assert stat.S_IMODE((tmp_path / "cuda").stat().st_mode) == 0o700
+    path = {}
+    for text, kept in ((body, call["source"]), (header, call["header"])):
+        name = hashlib.sha256(text.encode()).hexdigest()[:32] + ".cuh"
+        path[text] = tmp_path / "cuda" / name
+        assert f'#include "{path[text]}"' in kept
+    assert len(call["source"]) < 1024 and len(call["header"]) < 256
+    for n in call["input_names"]:
+        for x in ("shape", "strides", "ndim"):
+            named = f"{n}_{x}"
+            assert (named in call["source"]) == (named in header + body), named
+    path[body].write_text("garbage")
+    assert qa._source_file(body) == f'#include "{path[body]}"\n'
+    assert path[body].read_text() == body
+    os.chmod(tmp_path / "cuda", 0o777)
+    assert qa._source_file(body) == body
 
 
 @pytest.mark.parametrize("mma", [True, False])

@@ -434,12 +434,17 @@ class _QuantizedKVCache:
 
 class _KVCache:
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        # The state set, not an update: an update of 256 tokens or more waits
+        # for the last layer's (_pipeline), 32 round trips to the GPU in all
+        # (H200, Llama-8B shape, 2048 tokens: 5-6 ms of a 4k prefill's 0.12 s).
         quant_cache = QuantizedKVCache(group_size=group_size, bits=bits)
         if self.keys is not None and self.offset > 0:
-            quant_cache.reserve(self.offset)
-            quant_cache.update_and_fetch(
-                self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-            )
+            keys = self.keys[..., : self.offset, :]
+            values = self.values[..., : self.offset, :]
+            group_size, *parts = _kv_quantize(keys, values, group_size, bits)
+            dtype = str(keys.dtype).rpartition(".")[2]
+            dims = (keys.shape[3], values.shape[3])
+            quant_cache.state = (*parts, self.offset, group_size, bits, dtype, dims)
         return quant_cache
 
 

@@ -184,6 +184,31 @@ def test_to_quantized_quantizes_only_live_tokens_and_records_dtype():
     assert KVCache().to_quantized().nbytes == 0
 
 
+def test_to_quantized_holds_an_update_s_bits_and_waits_for_no_other_layer(
+    monkeypatch,
+):
+    """Converting a 2048-token layer (``generate_step`` converts every layer
+    after the first chunk) gives the arrays an update of those tokens would,
+    and schedules nothing: an update of 256 tokens or more waits for the
+    previous layer's (``_pipeline``), a round trip to the GPU a layer."""
+    keys, values = kv(2048, dim=80, dtype=mx.bfloat16)
+    cache = KVCache()
+    cache.update_and_fetch(keys, values)
+    updated = QuantizedKVCache(group_size=32, bits=4)
+    updated.update_and_fetch(keys, values)
+    scheduled = []
+    monkeypatch.setattr(mx, "async_eval", lambda *a: scheduled.append(a))
+    q = cache.to_quantized(group_size=32, bits=4)
+    assert scheduled == []
+    monkeypatch.undo()
+    assert (q.offset, q.group_size, q.bits) == (2048, 32, 4)
+    assert (q.dtype, tuple(q.head_dims)) == ("bfloat16", (80, 80))
+    for a, b in zip((*q.keys, *q.values), (*updated.keys, *updated.values)):
+        assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b)
+    q.update_and_fetch(*kv(3, dim=80, dtype=mx.bfloat16))  # keeps working
+    assert q.offset == 2051 and q.keys_and_values()[0][0].shape[2] == 2051
+
+
 def test_save_load_keeps_group_size_bits_dtype_and_the_cache_keeps_working(tmp_path):
     cache = filled(0, bits=4, dtype=mx.bfloat16, dim=96, steps=[70, 1])
     assert cache.group_size == 32  # 96 is no multiple of 64

@@ -347,6 +347,12 @@ def test_qdecode_e2e_runs_the_old_road_once_and_compares_its_tokens(tmp_path):
         paired = statistics.median(b / q for b, q in zip(*turns))
         assert row["ratios"]["q8_over_bf16_decode_paired"] == round(paired, 3)
         assert "q8_old_over_bf16_decode_paired" not in row["ratios"]
+        # A prefill (its first round's) split into its 64-token chunks, the
+        # rest but one token, and the first token's step: they add up to it.
+        for r in row["sides"].values():
+            assert len(r["prefill_chunks_s"]) == 3
+            total = pytest.approx(r["prefill_s_rounds"][0], abs=1e-3)
+            assert sum(r["prefill_chunks_s"]) == total
     assert not (tmp_path / "q.json.partial").exists()  # every round done
 
 

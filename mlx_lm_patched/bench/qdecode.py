@@ -183,10 +183,12 @@ def _with_tail(rng, q_keys, q_values, tail, D):
     return out
 
 
-def _greedy(model, prompt, args, kv_bits, cache, measured=True):
+def _greedy(model, prompt, args, kv_bits, cache, measured=True, marks=None):
     """``generate_step`` as every side runs it: greedy, the cache quantized
     from the first token (``kv_bits``), ``--chunk``-token prefill steps,
-    ``--decode`` tokens (8 to warm up)."""
+    ``--decode`` tokens (8 to warm up); ``marks`` gets the time at each
+    prefill progress call."""
+    progress = marks is not None and (lambda *_: marks.append(time.perf_counter()))
     return generate_step(
         prompt,
         model,
@@ -197,6 +199,7 @@ def _greedy(model, prompt, args, kv_bits, cache, measured=True):
         kv_group_size=64,
         quantized_kv_start=0,
         prefill_step_size=args.chunk,
+        prompt_progress_callback=progress or None,
     )
 
 
@@ -241,11 +244,16 @@ def run_side(args):
             _fresh()
             mx.reset_peak_memory()
             tic = time.perf_counter()
+            marks = [tic]  # and one a prefill progress call
             cache = make_prompt_cache(model)
-            gen = _greedy(model, prompt, args, kv_bits, cache)
+            gen = _greedy(model, prompt, args, kv_bits, cache, marks=marks)
             tokens, steps, decode_s = [next(gen)[0]], [], 0.0
             prefill_s = time.perf_counter() - tic
             answer = {"prefill_s": round(prefill_s, 4), "prefill_peak": _peak(weights)}
+            # Each chunk's seconds (the first's with the cache's conversion),
+            # then the first token's step.
+            chunks = np.diff(marks[:1] + marks[2:])
+            answer["prefill_chunks_s"] = [round(float(x), 4) for x in chunks]
         elif "decode" in ask:
             start = tic = time.perf_counter()
             for t, _ in itertools.islice(gen, ask["decode"]):

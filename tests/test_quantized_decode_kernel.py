@@ -192,7 +192,7 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     source), and #includes of its source and header, each written once to
     a file named by its hash in a folder of this user's alone; a file
     changed on disk is written again before use, and a folder others may
-    write to keeps the source in the call."""
+    write to, or none at all, keeps the source in the call."""
     from mlx_lm_patched import quantized_decode_source as src
 
     made = []
@@ -226,6 +226,9 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     assert qa._source_file(body) == f'#include "{path[body]}"\n'
     assert path[body].read_text() == body
     os.chmod(tmp_path / "cuda", 0o777)
+    assert qa._source_file(body) == body
+    (tmp_path / "a file").write_text("")  # no folder can be made there
+    monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path / "a file"))
     assert qa._source_file(body) == body
 
 

@@ -147,9 +147,10 @@ def _source_file(source):
     file can be written or the directory is not this user's alone: MLX
     copies a custom kernel's source at each call and hashes it at each
     launch (H200: 4 us a launch more with 17 KB than with none)."""
-    root = os.environ.get("MLX_LM_PATCHED_CUDA_DIR")
-    root = root or os.path.join(os.path.expanduser("~"), ".cache", "mlx_lm_patched")
-    folder = os.path.join(os.path.abspath(root), "cuda")
+    folder = os.environ.get("MLX_LM_PATCHED_CUDA_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "mlx_lm_patched", "cuda"
+    )
+    folder = os.path.abspath(folder)
     path = os.path.join(folder, hashlib.sha256(source.encode()).hexdigest()[:32])
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)

@@ -198,7 +198,7 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw))
     monkeypatch.setattr(base, "_decode_kernels", {})
-    monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path))
+    monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path / "cuda"))
     monkeypatch.setattr(base, "DECODE_MMA", name == "mma")
     args = (1, 32, 1, 128, 8, 128, 8, 64, 1, False, 16, mx.bfloat16, 64)
     first, partial, reduce = qa._decode_launch(*args)

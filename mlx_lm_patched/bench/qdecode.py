@@ -188,7 +188,7 @@ def _greedy(model, prompt, args, kv_bits, cache, measured=True, marks=None):
     from the first token (``kv_bits``), ``--chunk``-token prefill steps,
     ``--decode`` tokens (8 to warm up); ``marks`` gets the time at each
     prefill progress call."""
-    progress = marks is not None and (lambda *_: marks.append(time.perf_counter()))
+    progress = None if marks is None else lambda *_: marks.append(time.perf_counter())
     return generate_step(
         prompt,
         model,
@@ -199,7 +199,7 @@ def _greedy(model, prompt, args, kv_bits, cache, measured=True, marks=None):
         kv_group_size=64,
         quantized_kv_start=0,
         prefill_step_size=args.chunk,
-        prompt_progress_callback=progress or None,
+        prompt_progress_callback=progress,
     )
 
 
@@ -484,8 +484,8 @@ def e2e(args):
     moved together), where runs one after another met them by chance. A
     side's decode tokens/s and prefill seconds are its medians over the
     rounds, the rest its first round's; its ratios to bfloat16's are also
-    taken turn by turn (``_paired``), which the targets read. The old road's sides run once,
-    after the others (their tokens), each alone. With ``--out``, the
+    taken turn by turn (``_paired``), which the targets read. The old road's
+    sides run once, after the others (their tokens), each alone. With ``--out``, the
     finished rounds' summary goes to ``<out>.partial`` after each round (a
     run cut off keeps them), removed once all are done."""
     sides, partial = {}, args.out and args.out + ".partial"

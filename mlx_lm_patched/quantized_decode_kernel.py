@@ -128,7 +128,8 @@ def _decode_kernel(name, template):
         # MLX passes an input's shape, strides or ndim where the source
         # names them; an #include of the rest names none.
         named = [f"{n}_{x}" for n in inputs for x in ("shape", "strides", "ndim")]
-        named = [f"(void){x};" for x in named if x in header + source]
+        text = header + source
+        named = [f"(void){x};" for x in named if x in text]
         _decode_kernels[key] = mx.fast.cuda_kernel(
             name=f"qkv_decode_{name}_{len(_decode_kernels)}",
             input_names=inputs,
@@ -151,23 +152,24 @@ def _source_file(source):
         os.path.expanduser("~"), ".cache", "mlx_lm_patched", "cuda"
     )
     folder = os.path.abspath(folder)
-    path = os.path.join(folder, hashlib.sha256(source.encode()).hexdigest()[:32])
+    name = hashlib.sha256(source.encode()).hexdigest()[:32] + ".cuh"
+    path = os.path.join(folder, name)
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         st = os.stat(folder)
         if st.st_uid != os.getuid() or st.st_mode & 0o022 or '"' in path:
             return source
-        with open(path + ".cuh", "a+") as f:  # made here if missing
+        with open(path, "a+") as f:  # made here if missing
             f.seek(0)
             kept = f.read() == source
         if not kept:
             fd, temporary = tempfile.mkstemp(dir=folder)
             with os.fdopen(fd, "w") as f:
                 f.write(source)
-            os.replace(temporary, path + ".cuh")
+            os.replace(temporary, path)
     except OSError:
         return source
-    return f'#include "{path}.cuh"\n'
+    return f'#include "{path}"\n'
 
 
 def _minified(source):

@@ -261,9 +261,9 @@ def run_side(args):
                 steps.append(time.perf_counter() - tic)
                 tic = time.perf_counter()
             mx.synchronize()  # the next step, launched, is this segment's
-            decode_s += time.perf_counter() - start
-            answer = {"decoded": len(tokens) - 1}
-            answer["seconds"] = round(time.perf_counter() - start, 5)
+            seconds = time.perf_counter() - start
+            decode_s += seconds
+            answer = {"decoded": len(tokens) - 1, "seconds": round(seconds, 5)}
         else:
             answer = _side_figures(model, cache, tokens, steps, decode_s)
             if args.side.endswith("_old"):
@@ -485,9 +485,9 @@ def e2e(args):
     side's decode tokens/s and prefill seconds are its medians over the
     rounds, the rest its first round's; its ratios to bfloat16's are also
     taken turn by turn (``_paired``), which the targets read. The old road's
-    sides run once, after the others (their tokens), each alone. With ``--out``, the
-    finished rounds' summary goes to ``<out>.partial`` after each round (a
-    run cut off keeps them), removed once all are done."""
+    sides run once, after the others (their tokens), each alone. With
+    ``--out``, the finished rounds' summary goes to ``<out>.partial`` after
+    each round (a run cut off keeps them), removed once all are done."""
     sides, partial = {}, args.out and args.out + ".partial"
     kernel = [s for s in args.sides if not s.endswith("_old")]
     procs = {s: _start_side(args, s) for s in kernel}
@@ -589,10 +589,14 @@ def _e2e_summary(args, sides):
                         np.median(old["top2_margins"])
                     )
                 bound = 0.9 if int(n) < 16000 else 1.0
-                decode = ratios.get(f"{s}_over_bf16_decode_paired")
-                decode = decode or ratios[f"{s}_over_bf16_decode_tok_s"]
-                prefill = ratios.get(f"{s}_over_bf16_prefill_paired")
-                prefill = prefill or ratios[f"{s}_over_bf16_prefill_s"]
+                # Paired where the turns paired up, else the whole runs'.
+                decode = ratios.get(
+                    f"{s}_over_bf16_decode_paired",
+                    ratios[f"{s}_over_bf16_decode_tok_s"],
+                )
+                prefill = ratios.get(
+                    f"{s}_over_bf16_prefill_paired", ratios[f"{s}_over_bf16_prefill_s"]
+                )
                 targets[s] = {
                     f"decode_ge_{bound}x_bf16": decode >= bound,
                     "prefill_le_1.1x_bf16": prefill <= 1.1,

@@ -126,6 +126,15 @@ def _check_quantized(keys, values, group_size, bits, dtype=None, head_dims=None)
 
 
 _decode_lengths_made = {}
+_tail_starts = {}
+
+
+def _tail_start(t):
+    """``mx.array([t])``, made once: where a decode step's tokens go in the
+    tail."""
+    if t not in _tail_starts:
+        _tail_starts[t] = mx.array([t])
+    return _tail_starts[t]
 
 
 def _decode_lengths(quantized, tail):
@@ -138,6 +147,20 @@ def _decode_lengths(quantized, tail):
         one = mx.zeros((1, 1), mx.int32)
         _decode_lengths_made[key] = mx.broadcast_to(one, (quantized + 1, tail + 1))
     return _decode_lengths_made[key]
+
+
+class _TailFetch(tuple):
+    """A ``QuantizedKVCache`` decode step's ``(packed, scales, biases, tail,
+    lengths)``, the tail written with the step's tokens lazily: ``before``
+    is the tail without them, ``new`` the tokens, and the decode kernel
+    that reads them so hands ``cache`` its written tail (``_wrote_tail``).
+    H200, Llama-8B shape, 8 bits: the two writes a layer took 0.8 ms of a
+    decode step's 3.0 of MLX launches."""
+
+    def __new__(cls, items, before, new, cache):
+        self = super().__new__(cls, items)
+        self.before, self.new, self.cache = before, new, cache
+        return self
 
 
 class _QuantizedKVCache:
@@ -281,18 +304,31 @@ class _QuantizedKVCache:
         they do not fit); the buffers for ``quantized_decode_attention``:
         ``(packed, scales, biases, tail, lengths)`` of keys and of values,
         the tokens ``[0, quantized)`` packed and the next ``tail`` in the
-        tail (``_decode_lengths``)."""
-        tk, tv = self._tail
+        tail (``_decode_lengths``). The tail is written lazily
+        (``_TailFetch``): the kernel writes it with the step's tokens as it
+        reads them, and nothing evaluates the write here."""
         n = keys.shape[2]
-        if self._tail_len + n > tk.shape[2]:
+        if self._tail_len + n > self._tail[0].shape[2]:
             self._flush()
+        tk, tv = self._tail
         t = self._tail_len
-        tk[:, :, t : t + n] = keys
-        tv[:, :, t : t + n] = values
+        start = _tail_start(t)
+        self._tail = tuple(
+            mx.slice_update(x, y, start, (2,)) for x, y in ((tk, keys), (tv, values))
+        )
         self.offset += n
         self._tail_len = t + n
         lengths = _decode_lengths(self.offset - t - n, t + n)
-        return (*self._keys, tk, lengths), (*self._values, tv, lengths)
+        return (
+            _TailFetch((*self._keys, self._tail[0], lengths), tk, keys, self),
+            _TailFetch((*self._values, self._tail[1], lengths), tv, values, self),
+        )
+
+    def _wrote_tail(self, fetched, tk, tv):
+        """Take the decode kernel's tail, written with the step's tokens, for
+        the lazy one ``fetched`` (``_tail_update``) if it is still the tail."""
+        if self._tail is not None and self._tail[0] is fetched[3]:
+            self._tail = (tk, tv)
 
     def _flush(self):
         """Quantize the tail's tokens into ``keys`` and ``values``."""
@@ -449,6 +485,7 @@ class _KVCache:
 
 
 _decode_lengths = pasted_into("mlx_lm.models.cache", _decode_lengths)
+_tail_start = pasted_into("mlx_lm.models.cache", _tail_start)
 _kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
 _kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
 _check_quantized = pasted_into("mlx_lm.models.cache", _check_quantized)
@@ -461,10 +498,13 @@ PATCH = Patch(
         "mlx_lm.models.cache",
         os,
         _decode_lengths,
+        _tail_start,
+        _TailFetch,
         _kv_quant_layout,
         _kv_quantize,
         _check_quantized,
         _decode_lengths_made=_decode_lengths_made,
+        _tail_starts=_tail_starts,
     )
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
     + targets("mlx_lm.models.cache:KVCache", _KVCache),

@@ -108,12 +108,13 @@ def _decode_kernel(name, template):
     comments or indentation."""
     key = (name, tuple(template))
     if key not in _decode_kernels:
-        inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "lens"]
-        inputs += ["mask", "scale"]
-        outputs = ["partials"]
+        inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "nk", "nv"]
+        inputs += ["lens", "mask", "scale"]
+        write = dict(template).get("WT")
+        outputs = ["partials", "tko", "tvo"] if write else ["partials"]
         header = _DECODE_HEADER
         if name == "reduce":
-            inputs, outputs, header = outputs, ["out"], _DECODE_DEFINES
+            inputs, outputs, header = ["partials"], ["out"], _DECODE_DEFINES
         source = {"partial": _DECODE_PARTIAL, "mma": _DECODE_MMA}
         source = source.get(name, _DECODE_REDUCE)
         constants = [
@@ -124,6 +125,11 @@ def _decode_kernel(name, template):
             )
             for k, v in template
         ]
+        if name != "reduce" and not write:  # tail_range's, unused
+            constants.append(
+                "cuda::std::remove_const_t<cuda::std::remove_pointer_t<decltype(tk)>>"
+                "* const tko = nullptr, * const tvo = nullptr;"
+            )
         header, source = _minified(header), _minified(source)
         # MLX passes an input's shape, strides or ndim where the source
         # names them; an #include of the rest names none.
@@ -225,13 +231,15 @@ def _decode_launch(
     splits,
     dtype,
     tail=1,
+    tail_dtype=None,
 ):
     """Which first kernel, and the two kernels (``template``, ``kernel``, the
     ``call``'s arguments) for one shape, made once (a decode step's Python is
     most of its time on a fast GPU); ``tail``: the tokens a cache's tail
-    holds (1 without one)."""
+    holds (1 without one); ``tail_dtype``: its dtype where the first kernel
+    writes it with the step's tokens (a ``_TailFetch``), else None."""
     key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
-    key += (splits, dtype, tail, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
+    key += (splits, dtype, tail, tail_dtype, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
     key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA, DECODE_MMA_WARPS)
     if key in _decode_launches:
         return _decode_launches[key]
@@ -242,7 +250,7 @@ def _decode_launch(
     dpl = DECODE_DIMS_PER_LANE
     template = [("BITS", bits), ("GS", group_size), ("W", width), ("D", D)]
     template += [("NREP", n_repeats), ("NQ", L), ("MASK", kind), ("CAUSAL", causal)]
-    template.append(("TAIL", tail))
+    template += [("TAIL", tail), ("WT", tail_dtype is not None)]
     template.append(("PF", DECODE_PREFETCH))
     if mma:
         template.append(("NW", DECODE_MMA_WARPS))
@@ -263,6 +271,9 @@ def _decode_launch(
             output_dtypes=[mx.float32],
         ),
     )
+    if tail_dtype is not None:  # the tail, written
+        partial["call"]["output_shapes"] += [(B, n_kv_heads, tail, D)] * 2
+        partial["call"]["output_dtypes"] += [tail_dtype] * 2
     template = [("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
     template.append(("MAX_SPLITS", max(parts, DECODE_BLOCKS)))
     reduce = dict(
@@ -291,14 +302,22 @@ def quantized_decode_attention(
     """Attention of a few queries over a quantized cache, with the kernel.
     ``q_keys``, ``q_values``: ``(packed, scales, biases)``, or with a
     ``QuantizedKVCache``'s tail and lengths after them (the whole buffers:
-    ``QuantizedKVCache._tail_update``)."""
+    ``QuantizedKVCache._tail_update``); where the tail is written lazily (a
+    ``_TailFetch``), the first kernel reads the step's tokens where they are
+    and writes the tail, which the cache takes (``_wrote_tail``)."""
     B, n_q_heads, L, D = queries.shape
-    if len(q_keys) == 5:
+    fetched, tail_dtype = q_keys, None
+    if hasattr(fetched, "before"):
+        tk, nk, tv, nv = q_keys.before, q_keys.new, q_values.before, q_values.new
+        tail_dtype = tk.dtype
+        q_keys, q_values = q_keys[:3], q_values[:3]
+        lengths, tail = fetched[4], tk.shape[2]
+    elif len(q_keys) == 5:
         *q_keys, tk, lengths = q_keys
         *q_values, tv, _ = q_values
-        tail = tk.shape[2]
+        tail, nk, nv = tk.shape[2], tk, tv
     else:  # lengths of shape (1, ...): the kernels take the views' own
-        tk = tv = _decode_constant(0, queries.dtype)
+        tk = tv = nk = nv = _decode_constant(0, queries.dtype)
         lengths, tail = _decode_constant(0, mx.int32), 1
     _, n_kv_heads, kL, packed = q_keys[0].shape
     rows = n_q_heads // n_kv_heads * L
@@ -326,11 +345,14 @@ def quantized_decode_attention(
         splits,
         queries.dtype,
         tail,
+        tail_dtype,
     )
     scale = _decode_constant(scale, mx.float32)
-    inputs = [queries, *q_keys, *q_values, tk, tv, lengths, mask, scale]
+    inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, scale]
     parts = partial["kernel"](inputs=inputs, **partial["call"])
-    return reduce["kernel"](inputs=parts, **reduce["call"])[0]
+    if tail_dtype is not None:
+        fetched.cache._wrote_tail(fetched, *parts[1:])
+    return reduce["kernel"](inputs=parts[:1], **reduce["call"])[0]
 
 
 # Written as they read in mlx_lm/models/base.py, and run from there.

@@ -36,8 +36,9 @@ _DECODE_MMA = """
   const size_t n = (size_t)gridDim.z * gridDim.y * parts * R;  // see _DECODE_REDUCE
   float *const o_part = partials, *const m_part = o_part + n * W, *const l_part = m_part + n;
   if (split == n_splits) {  // the last block, with a tail
-    tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK>(
-        q, q_strides, tk, tk_strides, tv, tv_strides, mask, mask_strides, b, kvh, 0,
+    tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK, WT>(
+        q, q_strides, tk, tk_strides, tv, tv_strides, nk, nk_strides, nv, nv_strides,
+        WT ? nk_shape[2] : 0, tko, tvo, mask, mask_strides, b, kvh, 0,
         lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
         ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
     return;

@@ -186,19 +186,61 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+// Rows [0, n_tail) of KV head kvh's tail, rows [0, t0) from t and the rest
+// from n, to out (B, KV heads, TAIL, D): 16-byte words, four a thread in
+// flight, where rows are whole words; else element by element.
+template <int D, int TAIL, typename KT, typename S>
+__device__ void write_tail(
+    const KT* t, const S& ts, const KT* n, const S& ns, int t0, int n_tail, KT* out, int b,
+    int kvh) {
+  constexpr int E = 16 / sizeof(KT), WR = D / E;  // a word's elements, a row's words
+  KT* const o = out + ((size_t)b * gridDim.y + kvh) * TAIL * D;
+  const KT *const tp = t + b * ts[0] + kvh * ts[1], *const np = n + b * ns[0] + kvh * ns[1];
+  const int nt = blockDim.x;
+  if (D % E == 0 && ts[3] == 1 && ns[3] == 1 && ts[2] % E == 0 && ns[2] % E == 0 &&
+      (size_t)tp % 16 == 0 && (size_t)np % 16 == 0) {
+    const int total = n_tail * WR;
+    for (int e0 = threadIdx.x; e0 < total; e0 += 4 * nt) {
+      uint4 w[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int e = e0 + u * nt, j = e / WR, c = e % WR;
+        const KT* src = j < t0 ? tp + j * ts[2] : np + (j - t0) * ns[2];
+        if (e < total) w[u] = reinterpret_cast<const uint4*>(src)[c];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int e = e0 + u * nt;
+        if (e < total) reinterpret_cast<uint4*>(o)[e] = w[u];
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < n_tail * D; e += nt) {
+      const int j = e / D, d = e % D;
+      o[e] = j < t0 ? tp[j * ts[2] + d * ts[3]] : np[(j - t0) * ns[2] + d * ns[3]];
+    }
+  }
+}
 // The tail's keys and values (after the packed ones, in the cache dtype:
 // see key_range) as one more range, in float32, by a block of its own:
 // rows [r0, r0 + RR) of KV head kvh; its output, maximum and sum go to
-// part + row as a range's do.
-template <int W, int D, int NREP, int NQ, int RR, int TAIL, bool CAUSAL, int MASK,
+// part + row as a range's do. WT: the tail's last nn keys and values are
+// the step's (nk, nv), not yet in tk and tv; the block of rows 0 writes
+// the tail with them to tko and tvo (write_tail).
+template <int W, int D, int NREP, int NQ, int RR, int TAIL, bool CAUSAL, int MASK, bool WT,
           typename QT, typename KT, typename M, typename S, typename SM>
 __device__ void tail_range(
     const QT* q, const S& qs, const KT* tk, const S& tks, const KT* tv, const S& tvs,
+    const KT* nk, const S& nks, const KT* nv, const S& nvs, int nn, KT* tko, KT* tvo,
     const M* mask, const SM& ms, int b, int kvh, int r0, int n_tail, int kQ, float sc,
     float* o_part, float* m_part, float* l_part, size_t part) {
   constexpr int R = NREP * NQ, DH = (D + 1) / 2;
   __shared__ float qsh[RR][2 * DH], p[RR][TAIL], pm[RR], pl[RR];
-  const int tid = threadIdx.x, nt = blockDim.x, kL = kQ + n_tail;
+  const int tid = threadIdx.x, nt = blockDim.x, kL = kQ + n_tail, t0 = n_tail - nn;
+  if (WT && r0 == 0) {  // the tail written first: no stores among the loads below
+    write_tail<D, TAIL>(tk, tks, nk, nks, t0, n_tail, tko, b, kvh);
+    write_tail<D, TAIL>(tv, tvs, nv, nvs, t0, n_tail, tvo, b, kvh);
+  }
   for (int e = tid; e < RR * 2 * DH; e += nt) {
     const int r = e / (2 * DH), d = e % (2 * DH), row = r0 + r;
     const int h = kvh * NREP + row / NQ, t = row % NQ;
@@ -208,23 +250,36 @@ __device__ void tail_range(
   // Two threads a key, each half its dims (loaded at once): its scores.
   for (int j0 = 0; j0 < n_tail; j0 += nt / 2) {
     const int j = j0 + tid / 2, half = tid % 2;
-    const auto* kp = tk + b * tks[0] + kvh * tks[1] + j * tks[2];
-    float x[DH];
+    const bool fresh = WT && j >= t0;
+    const auto* kp = fresh ? nk + b * nks[0] + kvh * nks[1] + (j - t0) * nks[2]
+                           : tk + b * tks[0] + kvh * tks[1] + j * tks[2];
+    const auto kcs = fresh ? nks[3] : tks[3];
+    // The rows' sums taken 8 dims at a time (all DH held at once took 20-30
+    // more registers, which the tensor-core kernel's blocks share).
+    float acc[RR];
 #pragma unroll
-    for (int i = 0; i < DH; i++) {
-      const int d = half * DH + i;
-      x[i] = j < n_tail && d < D ? float(kp[d * tks[3]]) : 0.f;
+    for (int r = 0; r < RR; r++) acc[r] = 0.f;
+#pragma unroll 2
+    for (int i = 0; i < DH; i += 8) {
+      float x[8];
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int d = half * DH + i + u;
+        x[u] = j < n_tail && d < D && i + u < DH ? float(kp[d * kcs]) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+#pragma unroll
+        for (int r = 0; r < RR; r++) acc[r] += i + u < DH ? qsh[r][half * DH + i + u] * x[u] : 0.f;
+      }
     }
 #pragma unroll
     for (int r = 0; r < RR; r++) {
-      float acc = 0.f;
-#pragma unroll
-      for (int i = 0; i < DH; i++) acc += qsh[r][half * DH + i] * x[i];
-      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
       const int row = r0 + r;
       if (half == 0 && j < n_tail) {
         p[r][j] = row < R ? mask_score<CAUSAL, MASK>(
-            acc * sc, mask, ms, b, kvh * NREP + row / NQ, row % NQ, kQ + j, kL, NQ) : NEG_INF;
+            acc[r] * sc, mask, ms, b, kvh * NREP + row / NQ, row % NQ, kQ + j, kL, NQ) : NEG_INF;
       }
     }
   }
@@ -250,11 +305,14 @@ __device__ void tail_range(
 #pragma unroll
     for (int r = 0; r < RR; r++) o[r] = 0.f;
     const auto* vp = tv + b * tvs[0] + kvh * tvs[1] + d * tvs[3];
+    const auto* np = nv + b * nvs[0] + kvh * nvs[1] + d * nvs[3];
     for (int j0 = 0; j0 < n_tail; j0 += 16) {  // 16 values loaded at once
       float v[16];
 #pragma unroll
       for (int i = 0; i < 16; i++) {
-        v[i] = d < D && j0 + i < n_tail ? float(vp[(j0 + i) * tvs[2]]) : 0.f;
+        const int j = j0 + i;
+        const auto* src = WT && j >= t0 ? np + (j - t0) * nvs[2] : vp + j * tvs[2];
+        v[i] = d < D && j < n_tail ? float(*src) : 0.f;
       }
 #pragma unroll
       for (int i = 0; i < 16; i++) {
@@ -288,8 +346,9 @@ _DECODE_PARTIAL = """
   const size_t n = (size_t)gridDim.z / NRC * gridDim.y * parts * R;  // see _DECODE_REDUCE
   float *const o_part = partials, *const m_part = o_part + n * W, *const l_part = m_part + n;
   if (split == n_splits) {  // the last block, with a tail
-    tail_range<W, D, NREP, NQ, RC, TAIL, CAUSAL, MASK>(
-        q, q_strides, tk, tk_strides, tv, tv_strides, mask, mask_strides, b, kvh, rc * RC,
+    tail_range<W, D, NREP, NQ, RC, TAIL, CAUSAL, MASK, WT>(
+        q, q_strides, tk, tk_strides, tv, tv_strides, nk, nk_strides, nv, nv_strides,
+        WT ? nk_shape[2] : 0, tko, tvo, mask, mask_strides, b, kvh, rc * RC,
         lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
         ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
     return;

@@ -250,6 +250,47 @@ def test_a_tail_is_one_more_range_of_the_first_kernel(monkeypatch, mma):
     assert "TAIL" not in dict(reduce["template"])
 
 
+def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
+    """A ``QuantizedKVCache`` decode step writes its tail lazily: the first
+    kernel reads the tail before the step and the step's tokens, writes the
+    tail with them (two more outputs of the tail's shape), and the cache
+    takes that tail; a fetch the cache has moved past hands nothing over."""
+    made, bf16 = [], mx.bfloat16
+
+    def kernel(name, template):
+        def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
+            made.append((name, dict(template), inputs))
+            return [mx.full(s, len(made), t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    monkeypatch.setattr(base, "_cuda_kernels", True)
+    monkeypatch.setattr(base, "_decode_kernel", kernel)
+    monkeypatch.setattr(base, "_decode_launches", {})
+    c = cache.QuantizedKVCache(bits=8)
+    c.decode_tail = 8
+    c.update_and_fetch(*random_kv(1, 2, 20, 64, dtype=bf16))
+    c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # tail: 1 token
+    step = random_kv(1, 2, 1, 64, dtype=bf16)
+    before = c._tail
+    q_keys, q_values = c.update_and_fetch(*step)
+    written = [x[:, :, :2] for x in c._tail]  # the lazy write, evaluated
+    assert mx.array_equal(written[0][:, :, 1:], step[0]).item()
+    q = mx.ones((1, 8, 1, 64), mx.bfloat16)
+    qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
+    (first, t, inputs), (reduce, _, parts) = made
+    assert first == "mma" and t["WT"] and t["TAIL"] == 8 and reduce == "reduce"
+    assert inputs[7] is before[0] and inputs[8] is before[1]  # tk, tv
+    assert inputs[9] is step[0] and inputs[10] is step[1]  # nk, nv
+    assert [x.shape for x in c._tail] == [(1, 2, 8, 64)] * 2
+    assert all(mx.all(x == 1).item() for x in c._tail)  # the kernel's outputs
+    assert len(parts) == 1 and parts[0].shape[-1] == 4 * (64 + 2)
+    c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # past q_keys' step
+    kept = c._tail
+    c._wrote_tail(q_keys, *kept[::-1])
+    assert c._tail is kept
+
+
 @pytest.mark.parametrize(
     "n_q_heads, L, width, kernel",
     [

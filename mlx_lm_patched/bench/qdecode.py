@@ -164,7 +164,54 @@ def check(args):
         worst["old_road"] = max(worst["old_road"], r["rel_old_road"])
         rows.append(r)
         print(f"[qdecode] check {r}", file=sys.stderr, flush=True)
+    for D, bits, L in ((128, 8, 1), (128, 4, 1), (64, 8, 3), (80, 4, 2), (96, 8, 1)):
+        r = _check_written_tail(rng, D, bits, L)
+        worst["reference"] = max(worst["reference"], r["rel_reference"])
+        rows.append(r)
+        print(f"[qdecode] check {r}", file=sys.stderr, flush=True)
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows), "worst_rel": worst}
+
+
+def _check_written_tail(rng, D, bits, L, n_kv=2, n_rep=4, prompt=1500, steps=50):
+    """A ``QuantizedKVCache``'s decode steps through the kernel, which writes
+    its tail with each step's tokens (``_TailFetch``), past a flush: each
+    step's output against the reference over the lazily written tail, and
+    the cache's tokens against a tailless cache's fed the same (equal)."""
+
+    def rand(*shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return mx.array(x).astype(mx.bfloat16)
+
+    on, off = cache_module.QuantizedKVCache(bits=bits), cache_module.QuantizedKVCache(
+        bits=bits
+    )
+    on.decode_tail, off.decode_tail = 64, 0
+    k, v = rand(1, n_kv, prompt, D), rand(1, n_kv, prompt, D)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+    worst, adopted = 0.0, 0
+    for _ in range(steps):
+        k, v, q = rand(1, n_kv, L, D), rand(1, n_kv, L, D), rand(1, n_kv * n_rep, L, D)
+        off.update_and_fetch(k, v)
+        q_keys, q_values = on.update_and_fetch(k, v)
+        splits = qa.decode_splits(1, n_kv, q_keys[0].shape[2])
+        ref = decode_attention_reference(
+            q, q_keys, q_values, 0.088, "causal", on.group_size, bits, splits
+        )
+        # (before: off CUDA this scales q in place, as upstream's does)
+        out = base.quantized_scaled_dot_product_attention(
+            q, q_keys, q_values, 0.088, "causal", on.group_size, bits
+        )
+        adopted += on._tail[0] is not q_keys[3]
+        worst = max(worst, _rel(out, ref.astype(mx.float32)))
+    same = all(
+        mx.array_equal(x, y).item()
+        for x, y in zip((*on.keys, *on.values), (*off.keys, *off.values))
+    )
+    r = {"D": D, "bits": bits, "L": L, "written_tail": steps, "kL": on.offset}
+    r.update(rel_reference=worst, adopted=adopted, same_as_tailless=same)
+    r["ok"] = worst <= 5e-3 and adopted == steps and same
+    return r
 
 
 def _with_tail(rng, q_keys, q_values, tail, D):

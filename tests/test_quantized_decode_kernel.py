@@ -260,7 +260,9 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     def kernel(name, template):
         def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
             made.append((name, dict(template), inputs))
-            return [mx.full(s, len(made), t) for s, t in zip(output_shapes, output_dtypes)]
+            return [
+                mx.full(s, len(made), t) for s, t in zip(output_shapes, output_dtypes)
+            ]
 
         return call
 

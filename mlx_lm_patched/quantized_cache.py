@@ -30,14 +30,17 @@ Here the cache:
 On MLX's CUDA backend a decode step (up to 8 tokens) is not quantized at
 once: its tokens wait in a small buffer of the cache dtype, the tail, and
 are quantized ``decode_tail`` (64) at a time, into the same bits as one by
-one. The step writes two slices, as ``KVCache`` does, instead of two
-quantizes and six writes, and ``update_and_fetch`` hands attention the
-whole buffers, the tail and an array whose shape carries the two lengths
-(``_decode_lengths``) instead of six slices: ``quantized_decode_attention``
-reads the tail as it is. A
-decode step's cache work and its host time were what kept ``--kv-bits``
-below the bfloat16 cache's speed there. Everything else (``keys``,
-``state``, ``trim``, ``nbytes``, ...) sees the tail quantized first.
+one. ``update_and_fetch`` hands attention the whole buffers, the tail and
+an array whose shape carries the two lengths (``_decode_lengths``) instead
+of six slices, and the tail is written with the step's tokens lazily
+(``_TailFetch``): ``quantized_decode_attention`` reads the tail as it was
+and the step's tokens where they are, writes the new tail as it goes and
+hands it to the cache, so no write of the cache's runs in a decode step
+but every 64th (two quantizes and six writes, against ``KVCache``'s two
+writes every step). A decode step's cache work and its host time were
+what kept ``--kv-bits`` below the bfloat16 cache's speed there.
+Everything else (``keys``, ``state``, ``trim``, ``nbytes``, ...) sees the
+tail quantized first.
 """
 
 import os
@@ -152,8 +155,8 @@ def _decode_lengths(quantized, tail):
 class _TailFetch(tuple):
     """A ``QuantizedKVCache`` decode step's ``(packed, scales, biases, tail,
     lengths)``, the tail written with the step's tokens lazily: ``before``
-    is the tail without them, ``new`` the tokens, and the decode kernel
-    that reads them so hands ``cache`` its written tail (``_wrote_tail``).
+    is the tail without them and ``new`` the tokens, which the decode
+    kernel reads, handing ``cache`` the tail it writes (``_wrote_tail``).
     H200, Llama-8B shape, 8 bits: the two writes a layer took 0.8 ms of a
     decode step's 3.0 of MLX launches."""
 

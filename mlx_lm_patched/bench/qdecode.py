@@ -10,7 +10,9 @@ Its parts, one JSON:
   wrapped ring's boolean mask, an additive one, a padded batch's, causal):
   ``rel`` is ||kernel - other|| / ||other||; tolerances: 5e-3 against the
   reference (the output rounded to bfloat16), 2e-2 against the old road
-  (which also rounds keys, values and probabilities to bfloat16).
+  (which also rounds keys, values and probabilities to bfloat16); then a
+  ``QuantizedKVCache``'s decode steps, past a flush of its tail, the kernel
+  writing the tail (``_check_written_tail``).
 - ``attention``: one decode step's attention alone, 32 layers' caches of
   the Llama-8B shape (32 query heads over 8, head dim 128), per layer:
   kernel, old road, and ``mx.fast.scaled_dot_product_attention`` over a

@@ -174,7 +174,7 @@ def check(args):
     return {"cases": rows, "all_ok": all(r["ok"] for r in rows), "worst_rel": worst}
 
 
-def _check_written_tail(rng, D, bits, L, n_kv=2, n_rep=4, prompt=1500, steps=50):
+def _check_written_tail(rng, D, bits, L, n_kv=2, n_rep=4, prompt=1500, steps=70):
     """A ``QuantizedKVCache``'s decode steps through the kernel, which writes
     its tail with each step's tokens (``_TailFetch``), past a flush: each
     step's output against the reference over the lazily written tail, and
@@ -211,6 +211,7 @@ def _check_written_tail(rng, D, bits, L, n_kv=2, n_rep=4, prompt=1500, steps=50)
         for x, y in zip((*on.keys, *on.values), (*off.keys, *off.values))
     )
     r = {"D": D, "bits": bits, "L": L, "written_tail": steps, "kL": on.offset}
+    r["flushes"] = steps * L // on.decode_tail
     r.update(rel_reference=worst, adopted=adopted, same_as_tailless=same)
     r["ok"] = worst <= 5e-3 and adopted == steps and same
     return r

@@ -300,6 +300,8 @@ class _QuantizedKVCache:
         shape = (*self._keys[0].shape[:2], self.decode_tail, self.head_dims[0])
         dtype = getattr(mx, self.dtype)
         self._tail = (mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+        # The decode kernel's, one a batch row and KV head (merge_ranges).
+        self._counters = mx.zeros((shape[0] * shape[1],), mx.uint32)
         return True
 
     def _tail_update(self, keys, values):

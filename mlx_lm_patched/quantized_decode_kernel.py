@@ -14,7 +14,9 @@ views, which ``ensure_row_contiguous=False`` passes without a copy),
 dequantizes them in registers and attends flash-decoding style: the keys
 are cut into ``decode_splits`` ranges, a block a range and KV head keeps a
 running max, sum and output for the query heads of that KV head (each key
-read once for all of them), and a second kernel merges the ranges. Up to 8
+read once for all of them), and a second kernel merges the ranges (over a
+cache's decode step the tensor-core kernel's last block of a KV head's
+ranges merges them: ``DECODE_MERGE``). Up to 8
 query rows a KV head over head dims 64 and 128 (a decode step of GQA up to
 8) take tensor-core products (``quantized_decode_mma``: the keys' integers
 are exact in f16, so only the values times their scales and the
@@ -94,6 +96,14 @@ DECODE_MMA = True
 # a layer, 8 warps 113 / 133 / 166 (4 bits: 118 / 132 / 149 against 119 /
 # 137 / 154).
 DECODE_MMA_WARPS = 4
+# Whether the tensor-core kernel merges a cache's decode step's ranges
+# itself (the last block of a KV head's ranges, counted by the cache's
+# counters, which the kernel leaves at zero: merge_ranges) rather than a
+# second kernel doing it (5 us a layer on an H200, and a call's host time).
+# Only a cache's steps have counters: its kernels run one after another
+# (each reads the tail the last wrote), where kernels sharing counters
+# might not.
+DECODE_MERGE = True
 
 _cuda_kernels = mx.cuda.is_available()
 # MLX_LM_PATCHED_DECODE_KERNEL=0 keeps the old road; read at import, as
@@ -114,9 +124,10 @@ def _decode_kernel(name, template):
     key = (name, tuple(template))
     if key not in _decode_kernels:
         inputs = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "tk", "tv", "nk", "nv"]
-        inputs += ["lens", "mask", "scale"]
-        write = dict(template).get("WT")
+        inputs += ["lens", "mask", "scale", "cnt"]
+        write, merge = dict(template).get("WT"), dict(template).get("MERGE")
         outputs = ["partials", "tko", "tvo"] if write else ["partials"]
+        outputs += ["out"] if merge else []
         header = _DECODE_HEADER
         if name == "reduce":
             inputs, outputs, header = ["partials"], ["out"], _DECODE_DEFINES
@@ -130,6 +141,8 @@ def _decode_kernel(name, template):
             )
             for k, v in template
         ]
+        if name == "mma" and not merge:  # merge_ranges', unused
+            constants.append("float* const out = nullptr;")
         if name != "reduce" and not write:  # tail_range's, unused
             constants.append(
                 "cuda::std::remove_const_t<cuda::std::remove_pointer_t<decltype(tk)>>"
@@ -246,6 +259,7 @@ def _decode_launch(
     key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
     key += (splits, dtype, tail, tail_dtype, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
     key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA, DECODE_MMA_WARPS)
+    key += (DECODE_MERGE,)
     if key in _decode_launches:
         return _decode_launches[key]
     n_repeats = n_q_heads // n_kv_heads
@@ -257,8 +271,9 @@ def _decode_launch(
     template += [("NREP", n_repeats), ("NQ", L), ("MASK", kind), ("CAUSAL", causal)]
     template += [("TAIL", tail), ("WT", tail_dtype is not None)]
     template.append(("PF", DECODE_PREFETCH))
+    merge = mma and tail_dtype is not None and DECODE_MERGE
     if mma:
-        template.append(("NW", DECODE_MMA_WARPS))
+        template += [("NW", DECODE_MMA_WARPS), ("MERGE", merge)]
     else:
         template += [("RC", rc), ("DPL", dpl)]
         template.append(("TPK", 1 << (-(-width // dpl) - 1).bit_length()))
@@ -279,6 +294,11 @@ def _decode_launch(
     if tail_dtype is not None:  # the tail, written
         partial["call"]["output_shapes"] += [(B, n_kv_heads, tail, D)] * 2
         partial["call"]["output_dtypes"] += [tail_dtype] * 2
+    if merge:  # the output: no second kernel
+        partial["call"]["output_shapes"].append((B, n_q_heads, L, D))
+        partial["call"]["output_dtypes"].append(dtype)
+        _decode_launches[key] = first, partial, None
+        return _decode_launches[key]
     template = [("NREP", n_repeats), ("NQ", L), ("W", width), ("D", D), ("T", dtype)]
     template.append(("MAX_SPLITS", max(parts, DECODE_BLOCKS)))
     reduce = dict(
@@ -353,10 +373,15 @@ def quantized_decode_attention(
         tail_dtype,
     )
     scale = _decode_constant(scale, mx.float32)
-    inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, scale]
-    parts = partial["kernel"](inputs=inputs, **partial["call"])
+    counters = _decode_constant(0, mx.uint32)
     if tail_dtype is not None:
-        fetched.cache._wrote_tail(fetched, *parts[1:])
+        counters = fetched.cache._counters
+    inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, scale]
+    parts = partial["kernel"](inputs=inputs + [counters], **partial["call"])
+    if tail_dtype is not None:
+        fetched.cache._wrote_tail(fetched, *parts[1:3])
+    if reduce is None:  # merged in the first kernel
+        return parts[3]
     return reduce["kernel"](inputs=parts[:1], **reduce["call"])[0]
 
 
@@ -400,6 +425,7 @@ PATCH = Patch(
         DECODE_DIMS_PER_LANE=DECODE_DIMS_PER_LANE,
         DECODE_MMA=DECODE_MMA,
         DECODE_MMA_WARPS=DECODE_MMA_WARPS,
+        DECODE_MERGE=DECODE_MERGE,
         _cuda_kernels=_cuda_kernels,
         _decode_kernel_env=_decode_kernel_env,
         _CUDA_TYPES=_CUDA_TYPES,

@@ -35,12 +35,23 @@ _DECODE_MMA = """
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
   const size_t n = (size_t)gridDim.z * gridDim.y * parts * R;  // see _DECODE_REDUCE
   float *const o_part = partials, *const m_part = o_part + n * W, *const l_part = m_part + n;
+  // With MERGE, the last block of a KV head's ranges merges them
+  // (merge_ranges), counted by the cache's counters (cnt).
+  const size_t part0 = (size_t)(b * gridDim.y + kvh) * parts * R;
+  auto merge = [&]() {
+    if constexpr (MERGE) {
+      merge_ranges<W, D, R>(
+          (unsigned int*)cnt + b * gridDim.y + kvh, parts, o_part, m_part, l_part, part0, out,
+          (size_t)(b * gridDim.y + kvh) * R * D);
+    }
+  };
   if (split == n_splits) {  // the last block, with a tail
     tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK, WT>(
         q, q_strides, tk, tk_strides, tv, tv_strides, nk, nk_strides, nv, nv_strides,
         WT ? nk_shape[2] : 0, tko, tvo, mask, mask_strides, b, kvh, 0,
         lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
-        ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
+        part0 + split * R);
+    merge();
     return;
   }
   int kL, k_begin, k_end;
@@ -335,7 +346,7 @@ _DECODE_MMA = """
     }
   }
   __syncthreads();
-  const size_t part = ((size_t)(b * gridDim.y + kvh) * parts + split) * R;
+  const size_t part = part0 + split * R;
   for (int e = threadIdx.x; e < R * W; e += blockDim.x) {
     const int row = e / W, d = e % W;
     float M = LOWEST, S = 0.f, O = 0.f;
@@ -353,4 +364,5 @@ _DECODE_MMA = """
       l_part[part + row] = S;
     }
   }
+  merge();
 """

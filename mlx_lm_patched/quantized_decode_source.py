@@ -186,6 +186,54 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+// Flash-decoding's merge inside the first kernel: a block done with its
+// range counts itself in (counter: one a batch row and KV head, which
+// atomicInc takes back to zero after the last); the last block of the
+// parts merges their outputs, maxima and sums into out (rows of D dims from
+// out0), a warp a row, a lane W / 32 dims, each range's weight computed by
+// one lane and shuffled to the others.
+template <int W, int D, int R, typename OT>
+__device__ void merge_ranges(
+    unsigned int* counter, int parts, const float* o_part, const float* m_part,
+    const float* l_part, size_t part0, OT* out, size_t out0) {
+  constexpr int DL = W / 32;
+  __shared__ bool last;
+  __threadfence();  // this block's range written before it counts itself in
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicInc(counter, parts - 1) == parts - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int lane = threadIdx.x % 32;
+  for (int row = threadIdx.x / 32; row < R; row += blockDim.x / 32) {
+    float M = LOWEST;
+    for (int s = lane; s < parts; s += 32) M = fmaxf(M, __ldcg(m_part + part0 + s * R + row));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    float S = 0.f, O[DL];
+#pragma unroll
+    for (int i = 0; i < DL; i++) O[i] = 0.f;
+    for (int s0 = 0; s0 < parts; s0 += 32) {
+      const int s = s0 + lane, n = min(32, parts - s0);
+      const float f = s < parts ? __expf(__ldcg(m_part + part0 + s * R + row) - M) : 0.f;
+      S += s < parts ? __ldcg(l_part + part0 + s * R + row) * f : 0.f;
+#pragma unroll 8
+      for (int j = 0; j < n; j++) {
+        const float fj = __shfl_sync(0xffffffffu, f, j);
+        const float* op = o_part + (part0 + (size_t)(s0 + j) * R + row) * W + lane * DL;
+#pragma unroll
+        for (int i = 0; i < DL; i++) O[i] += fj * __ldcg(op + i);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) S += __shfl_xor_sync(0xffffffffu, S, off);
+#pragma unroll
+    for (int i = 0; i < DL; i++) {
+      const int d = lane * DL + i;
+      if (d < D) out[out0 + row * D + d] = OT(S > 0.f ? O[i] / S : 0.f);
+    }
+  }
+}
 // Rows [0, n_tail) of KV head kvh's tail, rows [0, t0) from t and the rest
 // from n, to out (B, KV heads, TAIL, D): 16-byte words, four a thread in
 // flight, where rows are whole words; else element by element.

@@ -279,18 +279,26 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     written = [x[:, :, :2] for x in c._tail]  # the lazy write, evaluated
     assert mx.array_equal(written[0][:, :, 1:], step[0]).item()
     q = mx.ones((1, 8, 1, 64), mx.bfloat16)
-    qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
-    (first, t, inputs), (reduce, _, parts) = made
-    assert first == "mma" and t["WT"] and t["TAIL"] == 8 and reduce == "reduce"
+    out = qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
+    ((first, t, inputs),) = made  # the ranges merged in the first kernel
+    assert first == "mma" and t["WT"] and t["MERGE"] and t["TAIL"] == 8
     assert inputs[7] is before[0] and inputs[8] is before[1]  # tk, tv
     assert inputs[9] is step[0] and inputs[10] is step[1]  # nk, nv
+    assert inputs[-1] is c._counters and c._counters.dtype == mx.uint32
     assert [x.shape for x in c._tail] == [(1, 2, 8, 64)] * 2
     assert all(mx.all(x == 1).item() for x in c._tail)  # the kernel's outputs
-    assert len(parts) == 1 and parts[0].shape[-1] == 4 * (64 + 2)
+    assert out.shape == q.shape and mx.all(out == 1).item()
     c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # past q_keys' step
     kept = c._tail
     c._wrote_tail(q_keys, *kept[::-1])
     assert c._tail is kept
+    # DECODE_MERGE off: a second kernel merges the first one's ranges.
+    monkeypatch.setattr(base, "DECODE_MERGE", False)
+    made.clear()
+    qa.quantized_decode_attention(q, *c.update_and_fetch(*step), 0.1, None, 64, 8)
+    (first, t, _), (reduce, _, parts) = made
+    assert not t["MERGE"] and reduce == "reduce"
+    assert len(parts) == 1 and parts[0].shape[-1] == 4 * (64 + 2)
 
 
 @pytest.mark.parametrize(

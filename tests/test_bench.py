@@ -403,6 +403,41 @@ def test_qdecode_e2e_sides_take_turns_and_a_cut_off_keeps_finished_rounds(
     assert all(p.poll() is not None for p in procs)
 
 
+def test_qdecode_e2e_fresh_starts_every_round_in_new_processes(monkeypatch):
+    """With ``--fresh`` each round's sides run in processes of their own,
+    the last round's ended before the next starts; every round measured."""
+    from mlx_lm_patched.bench import qdecode
+
+    start, started = qdecode._start_side, []
+
+    def counted(args, side):
+        started.append(start(args, side))
+        return started[-1]
+
+    monkeypatch.setattr(qdecode, "_start_side", counted)
+    tiny = "--parts e2e --sides bf16,q8 --layers 2 --hidden 64 --heads 4 "
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 "
+    tiny += "--chunk 64 --decode 8 --rounds 3 --fresh --device cpu"
+    counted_per_round = []
+    ask = qdecode._ask
+
+    def track(proc, request):
+        if "prompt" in request:
+            counted_per_round.append(len(started))
+            # The last round's processes ended: only this round's run.
+            assert sum(p.poll() is None for p in started) == 2
+        return ask(proc, request)
+
+    monkeypatch.setattr(qdecode, "_ask", track)
+    sides = qdecode.main(tiny.split())["e2e"]["96"]["sides"]
+    assert counted_per_round == [2, 2, 4, 4, 6, 6]
+    assert all(p.poll() is not None for p in started)
+    assert {s: len(r["decode_tok_s_rounds"]) for s, r in sides.items()} == {
+        "bf16": 3,
+        "q8": 3,
+    }
+
+
 def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
     monkeypatch,
 ):

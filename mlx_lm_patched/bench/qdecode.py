@@ -233,17 +233,17 @@ def _with_tail(rng, q_keys, q_values, tail, D):
     return out
 
 
-def _greedy(model, prompt, args, kv_bits, cache, measured=True, marks=None):
+def _greedy(model, prompt, args, kv_bits, cache, tokens=None, marks=None):
     """``generate_step`` as every side runs it: greedy, the cache quantized
     from the first token (``kv_bits``), ``--chunk``-token prefill steps,
-    ``--decode`` tokens (8 to warm up); ``marks`` gets the time at each
+    ``--decode`` tokens (or ``tokens``); ``marks`` gets the time at each
     prefill progress call."""
     progress = None if marks is None else lambda *_: marks.append(time.perf_counter())
     return generate_step(
         prompt,
         model,
         prompt_cache=cache,
-        max_tokens=args.decode if measured else 8,
+        max_tokens=tokens or args.decode,
         sampler=lambda x: mx.argmax(x, axis=-1),
         kv_bits=kv_bits,
         kv_group_size=64,
@@ -269,8 +269,9 @@ def _step_times(model, token, cache):
 def run_side(args):
     """One side in this process, driven by ``e2e`` over stdin, a JSON line a
     request, each answered by one on stdout: ``{"prompt": n}`` prefills a
-    prompt of n tokens (the first time at a length after a whole run to
-    warm up: every path compiled, the tail's flush included) and answers
+    prompt of n tokens (the first time at a length after a run of 80
+    tokens to warm up: every path compiled, the tail's first flush, at 64,
+    included) and answers
     its prefill; ``{"decode": k}`` decodes its next k tokens, synced;
     ``{"end": true}`` answers the run's figures."""
     kv_bits, _ = SIDES[args.side]
@@ -287,9 +288,8 @@ def run_side(args):
             prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(n))
             if n not in warm:
                 warm.add(n)
-                for _ in _greedy(
-                    model, prompt, args, kv_bits, make_prompt_cache(model)
-                ):
+                cache, warm_tokens = make_prompt_cache(model), min(80, args.decode)
+                for _ in _greedy(model, prompt, args, kv_bits, cache, warm_tokens):
                     pass
             _fresh()
             mx.reset_peak_memory()
@@ -425,7 +425,7 @@ def host(args):
         caches, tokens, res = {}, {}, {s: ([], [], []) for s in sides}
         for side in sides:
             caches[side] = make_prompt_cache(model)
-            gen = _greedy(model, prompt, args, SIDES[side][0], caches[side], False)
+            gen = _greedy(model, prompt, args, SIDES[side][0], caches[side], 8)
             tokens[side] = list(gen)[-1][0]
         for step in range(args.steps + 3):  # 3 to warm up
             for side in sides:
@@ -534,7 +534,11 @@ def e2e(args):
     moved together), where runs one after another met them by chance. A
     side's decode tokens/s and prefill seconds are its medians over the
     rounds, the rest its first round's; its ratios to bfloat16's are also
-    taken turn by turn (``_paired``), which the targets read. The old road's
+    taken turn by turn (``_paired``), which the targets read. A process's
+    host ran at its own speed for all its rounds (H200, one call: q8 at
+    0.95-0.96x bfloat16 at every length, paired, q4 at 0.99-1.01x): with
+    ``--fresh`` each round starts the sides' processes anew, so their
+    rounds' medians take several processes a side. The old road's
     sides run once, after the others (their tokens), each alone. With
     ``--out``, the finished rounds' summary goes to ``<out>.partial`` after
     each round (a run cut off keeps them), removed once all are done."""
@@ -547,6 +551,9 @@ def e2e(args):
                 with open(partial, "w") as f:
                     summary = _e2e_summary(args, sides)
                     json.dump({"rounds_done": round_, "e2e": summary}, f)
+            if round_ and args.fresh:
+                _stop_sides(procs)
+                procs = {s: _start_side(args, s) for s in kernel}
             for n in args.prompts:
                 order = kernel[:: -1 if round_ % 2 else 1]
                 for side, got in _run_sides(args, procs, order, n).items():
@@ -684,6 +691,9 @@ def build_parser():
     p.add_argument("--decode", type=int, default=256)
     p.add_argument("--segment", type=int, default=32, help="e2e: decode tokens a turn")
     p.add_argument("--rounds", type=int, default=1, help="e2e, turns: a side's runs")
+    p.add_argument(
+        "--fresh", action="store_true", help="e2e: new sides' processes each round"
+    )
     p.add_argument("--steps", type=int, default=30, help="host: steps a side")
     p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)
     p.add_argument("--kt", type=int, default=qa.DECODE_KEYS_PER_ITER)

@@ -99,7 +99,8 @@ DECODE_MMA_WARPS = 4
 # Whether the tensor-core kernel merges a cache's decode step's ranges
 # itself (the last block of a KV head's ranges, counted by the cache's
 # counters, which the kernel leaves at zero: merge_ranges) rather than a
-# second kernel doing it (5 us a layer on an H200, and a call's host time).
+# second kernel doing it: a call's host time (H200, one process taking
+# turns: decode 1.02-1.09x faster, q8 and q4, 4k-32k; ncu: the same GPU time).
 # Only a cache's steps have counters: its kernels run one after another
 # (each reads the tail the last wrote), where kernels sharing counters
 # might not.

@@ -101,9 +101,11 @@ DECODE_MMA_WARPS = 4
 # counters, which the kernel leaves at zero: merge_ranges) rather than a
 # second kernel doing it: a call's host time (H200, one process taking
 # turns: decode 1.02-1.09x faster, q8 and q4, 4k-32k; ncu: the same GPU time).
-# Only a cache's steps have counters: its kernels run one after another
-# (each reads the tail the last wrote), where kernels sharing counters
-# might not.
+# Only the call on a cache's step whose tail the cache keeps counts on the
+# cache's counters: those kernels run one after another (each reads the
+# tail the last wrote). Two attention calls over one fetch, evaluated
+# together, might run at once (H200: they did, and merged wrongly), so
+# the second keeps the merge kernel.
 DECODE_MERGE = True
 
 _cuda_kernels = mx.cuda.is_available()
@@ -251,16 +253,19 @@ def _decode_launch(
     dtype,
     tail=1,
     tail_dtype=None,
+    merge=False,
 ):
     """Which first kernel, and the two kernels (``template``, ``kernel``, the
     ``call``'s arguments) for one shape, made once (a decode step's Python is
     most of its time on a fast GPU); ``tail``: the tokens a cache's tail
     holds (1 without one); ``tail_dtype``: its dtype where the first kernel
-    writes it with the step's tokens (a ``_TailFetch``), else None."""
+    writes it with the step's tokens (a ``_TailFetch``), else None;
+    ``merge``: whether the tensor-core kernel merges its ranges itself
+    (counted by the cache's counters; no second kernel then)."""
     key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
     key += (splits, dtype, tail, tail_dtype, DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
     key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA, DECODE_MMA_WARPS)
-    key += (DECODE_MERGE,)
+    key += (merge,)
     if key in _decode_launches:
         return _decode_launches[key]
     n_repeats = n_q_heads // n_kv_heads
@@ -272,7 +277,7 @@ def _decode_launch(
     template += [("NREP", n_repeats), ("NQ", L), ("MASK", kind), ("CAUSAL", causal)]
     template += [("TAIL", tail), ("WT", tail_dtype is not None)]
     template.append(("PF", DECODE_PREFETCH))
-    merge = mma and tail_dtype is not None and DECODE_MERGE
+    merge = mma and merge
     if mma:
         template += [("NW", DECODE_MMA_WARPS), ("MERGE", merge)]
     else:
@@ -332,10 +337,14 @@ def quantized_decode_attention(
     ``_TailFetch``), the first kernel reads the step's tokens where they are
     and writes the tail, which the cache takes (``_wrote_tail``)."""
     B, n_q_heads, L, D = queries.shape
-    fetched, tail_dtype = q_keys, None
+    fetched, tail_dtype, merge = q_keys, None, False
     if hasattr(fetched, "before"):
         tk, nk, tv, nv = q_keys.before, q_keys.new, q_values.before, q_values.new
         tail_dtype = tk.dtype
+        # The call whose tail the cache keeps (the first on this fetch): the
+        # cache's next step reads that tail, so the kernels counting on its
+        # counters run one after another.
+        merge = DECODE_MERGE and fetched.cache._tail[0] is fetched[3]
         q_keys, q_values = q_keys[:3], q_values[:3]
         lengths, tail = fetched[4], tk.shape[2]
     elif len(q_keys) == 5:
@@ -372,11 +381,10 @@ def quantized_decode_attention(
         queries.dtype,
         tail,
         tail_dtype,
+        merge,
     )
     scale = _decode_constant(scale, mx.float32)
-    counters = _decode_constant(0, mx.uint32)
-    if tail_dtype is not None:
-        counters = fetched.cache._counters
+    counters = fetched.cache._counters if merge else _decode_constant(0, mx.uint32)
     inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, scale]
     parts = partial["kernel"](inputs=inputs + [counters], **partial["call"])
     if tail_dtype is not None:

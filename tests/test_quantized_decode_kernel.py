@@ -254,7 +254,8 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     """A ``QuantizedKVCache`` decode step writes its tail lazily: the first
     kernel reads the tail before the step and the step's tokens, writes the
     tail with them (two more outputs of the tail's shape), and the cache
-    takes that tail; a fetch the cache has moved past hands nothing over."""
+    takes that tail; a fetch the cache has moved past hands nothing over.
+    Only that first call merges its ranges with the cache's counters."""
     made, bf16 = [], mx.bfloat16
 
     def kernel(name, template):
@@ -288,6 +289,14 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     assert [x.shape for x in c._tail] == [(1, 2, 8, 64)] * 2
     assert all(mx.all(x == 1).item() for x in c._tail)  # the kernel's outputs
     assert out.shape == q.shape and mx.all(out == 1).item()
+    # A second call on the fetch (the cache keeps the first's tail) leaves
+    # the counters alone: a second kernel merges its ranges.
+    made.clear()
+    first_tail = c._tail
+    qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
+    (first, t, inputs), (reduce, _, _) = made
+    assert not t["MERGE"] and reduce == "reduce" and inputs[-1] is not c._counters
+    assert c._tail is first_tail
     c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # past q_keys' step
     kept = c._tail
     c._wrote_tail(q_keys, *kept[::-1])

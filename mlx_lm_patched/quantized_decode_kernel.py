@@ -384,12 +384,14 @@ def quantized_decode_attention(
         merge,
     )
     scale = _decode_constant(scale, mx.float32)
-    counters = fetched.cache._counters if merge else _decode_constant(0, mx.uint32)
+    counters = _decode_constant(0, mx.uint32)
+    if reduce is None:  # merged in the first kernel, counted on the cache's
+        counters = fetched.cache._counters
     inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, scale]
     parts = partial["kernel"](inputs=inputs + [counters], **partial["call"])
     if tail_dtype is not None:
         fetched.cache._wrote_tail(fetched, *parts[1:3])
-    if reduce is None:  # merged in the first kernel
+    if reduce is None:
         return parts[3]
     return reduce["kernel"](inputs=parts[:1], **reduce["call"])[0]
 

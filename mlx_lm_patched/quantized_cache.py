@@ -329,10 +329,15 @@ class _QuantizedKVCache:
             _TailFetch((*self._values, self._tail[1], lengths), tv, values, self),
         )
 
+    def _keeps(self, fetched):
+        """Whether the lazy tail of ``fetched`` (``_tail_update``) is still
+        the tail: a kernel writing it then hands the cache its tail."""
+        return self._tail is not None and self._tail[0] is fetched[3]
+
     def _wrote_tail(self, fetched, tk, tv):
         """Take the decode kernel's tail, written with the step's tokens, for
         the lazy one ``fetched`` (``_tail_update``) if it is still the tail."""
-        if self._tail is not None and self._tail[0] is fetched[3]:
+        if self._keeps(fetched):
             self._tail = (tk, tv)
 
     def _flush(self):

@@ -344,7 +344,7 @@ def quantized_decode_attention(
         # The call whose tail the cache keeps (the first on this fetch): the
         # cache's next step reads that tail, so the kernels counting on its
         # counters run one after another.
-        merge = DECODE_MERGE and fetched.cache._tail[0] is fetched[3]
+        merge = DECODE_MERGE and fetched.cache._keeps(fetched)
         q_keys, q_values = q_keys[:3], q_values[:3]
         lengths, tail = fetched[4], tk.shape[2]
     elif len(q_keys) == 5:

@@ -297,6 +297,10 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     (first, t, inputs), (reduce, _, _) = made
     assert not t["MERGE"] and reduce == "reduce" and inputs[-1] is not c._counters
     assert c._tail is first_tail
+    c.compact()  # the tail dropped: a stale fetch still attends, unmerged
+    made.clear()
+    qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
+    assert not made[0][1]["MERGE"] and c._tail is None
     c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # past q_keys' step
     kept = c._tail
     c._wrote_tail(q_keys, *kept[::-1])

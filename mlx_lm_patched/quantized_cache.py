@@ -143,12 +143,16 @@ def _tail_start(t):
 def _decode_lengths(quantized, tail):
     """An array of shape ``(quantized + 1, tail + 1)`` (a broadcast scalar:
     the decode kernel reads the lengths off its shape), made once a step (a
-    step's layers share it)."""
+    step's layers share it), a view of one zero made once: no kernel a step
+    (a new zero was one, writing MLX's managed memory)."""
     key = (quantized, tail)
     if key not in _decode_lengths_made:
+        zero = _decode_lengths_made.get(None)
+        if zero is None:
+            zero = mx.zeros((1, 1), mx.int32)
         _decode_lengths_made.clear()
-        one = mx.zeros((1, 1), mx.int32)
-        _decode_lengths_made[key] = mx.broadcast_to(one, (quantized + 1, tail + 1))
+        _decode_lengths_made[None] = zero
+        _decode_lengths_made[key] = mx.broadcast_to(zero, (quantized + 1, tail + 1))
     return _decode_lengths_made[key]
 
 

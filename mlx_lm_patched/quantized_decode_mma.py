@@ -49,14 +49,14 @@ _DECODE_MMA = """
     tail_range<W, D, NREP, NQ, R, TAIL, CAUSAL, MASK, WT>(
         q, q_strides, tk, tk_strides, tv, tv_strides, nk, nk_strides, nv, nv_strides,
         WT ? nk_shape[2] : 0, tko, tvo, mask, mask_strides, b, kvh, 0,
-        lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
+        lens_shape[1] - 1, lens_shape[0] - 1, SC, o_part, m_part, l_part,
         part0 + split * R);
     merge();
     return;
   }
   int kL, k_begin, k_end;
   key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
-  const float sc = scale[0];
+  const float sc = SC;
 
   // B of the scores: query row g (column g), a group's dims a k16 chunk at
   // a time, lane c holding GS / 4 of each group's dims.

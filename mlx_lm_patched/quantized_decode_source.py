@@ -8,6 +8,7 @@ _DECODE_DEFINES = """
 """
 
 _DECODE_HEADER = _DECODE_DEFINES + """
+#include <cuda/std/limits>
 #include <cuda/std/type_traits>
 // The keys [k_begin, k_end) of a block's range, of the packed ones: the
 // lengths array's shape is one more than the packed and tail counts, or
@@ -397,7 +398,7 @@ _DECODE_PARTIAL = """
     tail_range<W, D, NREP, NQ, RC, TAIL, CAUSAL, MASK, WT>(
         q, q_strides, tk, tk_strides, tv, tv_strides, nk, nk_strides, nv, nv_strides,
         WT ? nk_shape[2] : 0, tko, tvo, mask, mask_strides, b, kvh, rc * RC,
-        lens_shape[1] - 1, lens_shape[0] - 1, scale[0], o_part, m_part, l_part,
+        lens_shape[1] - 1, lens_shape[0] - 1, SC, o_part, m_part, l_part,
         ((size_t)(b * gridDim.y + kvh) * parts + split) * R);
     return;
   }
@@ -405,7 +406,7 @@ _DECODE_PARTIAL = """
   key_range(lens_shape[0], lens_shape[1], kw_shape[2], split, n_splits, kL, k_begin, k_end);
   const int d0 = lane * DPL;
   const bool active = d0 < W;
-  const float sc = scale[0];
+  const float sc = SC;
 
   float qr[RC][DPL], qsum[RC], m[RC], l[RC], acc[RC][DPL], accb[RC];
 #pragma unroll

@@ -68,6 +68,17 @@ def test_split_softmax_over_packed_keys_equals_dequantized_attention(
         assert close(got, want), splits
 
 
+def test_a_step_s_lengths_are_a_view_of_one_zero_made_once():
+    """A decode step's lengths (an array's shape) are made once a step, each
+    a view of the same zero: no kernel a step."""
+    a = cache._decode_lengths(200, 11)
+    assert cache._decode_lengths(200, 11) is a and a.shape == (201, 12)
+    zero = cache._decode_lengths_made[None]
+    b = cache._decode_lengths(201, 12)
+    assert b.shape == (202, 13) and cache._decode_lengths_made[None] is zero
+    assert len(cache._decode_lengths_made) == 2  # the zero and this step's
+
+
 @pytest.mark.parametrize("D, group_size", [(64, 64), (80, 32)])
 @pytest.mark.parametrize("L, mask", [(1, None), (3, "causal")])
 def test_a_cache_s_tail_is_one_more_range_read_as_it_is(D, group_size, L, mask):
@@ -157,7 +168,7 @@ def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_
     monkeypatch.setattr(base, "DECODE_DIMS_PER_LANE", dims_per_lane)
     monkeypatch.setattr(base, "DECODE_MMA", False)
     kernel, partial, reduce = qa._decode_launch(
-        1, 32, 1, width, 8, width, 8, 32, 0, False, 32, mx.bfloat16
+        1, 32, 1, width, 8, width, 8, 32, 0, False, 32, mx.bfloat16, 0.1
     )
     assert kernel == "partial"
     t = dict(partial["template"])
@@ -169,7 +180,7 @@ def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_
 
 def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
     monkeypatch.setattr(base, "DECODE_MMA", False)
-    args = (1, 32, 1, 128, 8, 128, 4, 64, 0, False, 32, mx.bfloat16)
+    args = (1, 32, 1, 128, 8, 128, 4, 64, 0, False, 32, mx.bfloat16, 0.1)
     first = qa._decode_launch(*args)[1]
     assert qa._decode_launch(*args)[1] is first
     monkeypatch.setattr(base, "DECODE_KEYS_PER_ITER", 3)
@@ -200,7 +211,7 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     monkeypatch.setattr(base, "_decode_kernels", {})
     monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path / "cuda"))
     monkeypatch.setattr(base, "DECODE_MMA", name == "mma")
-    args = (1, 32, 1, 128, 8, 128, 8, 64, 1, False, 16, mx.bfloat16, 64)
+    args = (1, 32, 1, 128, 8, 128, 8, 64, 1, False, 16, mx.bfloat16, 0.1, 64)
     first, partial, reduce = qa._decode_launch(*args)
     template = (reduce if name == "reduce" else partial)["template"]
     base._decode_kernel(name, template)
@@ -233,12 +244,40 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
 
 
 @pytest.mark.parametrize("mma", [True, False])
+def test_the_scale_is_compiled_in_not_read_from_an_array(monkeypatch, tmp_path, mma):
+    """A first kernel's scale is a constant of its source, the exact double
+    (a hexadecimal literal, which a float constant rounds as float32 does),
+    not an input: MLX keeps a one-element array in managed memory, and
+    every layer's kernel read it (9-14 us a layer on an H200). Two scales
+    make two kernels."""
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    monkeypatch.setattr(base, "_cuda_kernels", True)
+    monkeypatch.setattr(base, "_decode_kernels", {})
+    monkeypatch.setattr(base, "_decode_launches", {})
+    monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path))
+    monkeypatch.setattr(base, "DECODE_MMA", mma)
+    args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16)
+    scale = 128**-0.5
+    qa._decode_launch(*args, scale)
+    qa._decode_launch(*args, 0.25)
+    first, other = made[0], made[2]  # each with its merge kernel
+    assert "scale" not in first["input_names"] and "SC" not in made[1]["source"]
+    assert f"constexpr float SC = {scale.hex()};" in first["source"]
+    assert "constexpr float SC = 0x1.0000000000000p-2;" in other["source"]
+    assert float.fromhex(scale.hex()) == scale
+    assert qa._c_value(float("-inf")).startswith("-cuda::std::numeric_limits<float>")
+    assert qa._c_value(float("nan")).endswith("quiet_NaN()")
+    assert qa._c_value(True) == "true" and qa._c_value(64) == "64"
+
+
+@pytest.mark.parametrize("mma", [True, False])
 def test_a_tail_is_one_more_range_of_the_first_kernel(monkeypatch, mma):
     """A cache's tail (``tail`` > 1) takes a block of its own after the
     ranges' (one more partial result a KV head); the merge kernel reads the
     partial results alone."""
     monkeypatch.setattr(base, "DECODE_MMA", mma)
-    args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16)
+    args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16, 0.1)
     _, plain, _ = qa._decode_launch(*args)
     _, tailed, reduce = qa._decode_launch(*args, 64)
     threads = plain["call"]["threadgroup"][0]
@@ -330,7 +369,7 @@ def test_up_to_8_rows_over_widths_64_and_128_take_the_tensor_core_kernel(
     """The tensor-core kernel takes the shapes its layout covers, with one
     block a (range, KV head, batch row): every query row of a KV head in it."""
     got, partial, reduce = qa._decode_launch(
-        2, n_q_heads, L, width, 8, width, 8, 32, 0, False, 16, mx.bfloat16
+        2, n_q_heads, L, width, 8, width, 8, 32, 0, False, 16, mx.bfloat16, 0.1
     )
     assert got == kernel
     rows = n_q_heads // 8 * L

@@ -304,8 +304,9 @@ class _QuantizedKVCache:
         shape = (*self._keys[0].shape[:2], self.decode_tail, self.head_dims[0])
         dtype = getattr(mx, self.dtype)
         self._tail = (mx.zeros(shape, dtype), mx.zeros(shape, dtype))
-        # The decode kernel's, one a batch row and KV head (merge_ranges).
-        self._counters = mx.zeros((shape[0] * shape[1],), mx.uint32)
+        # The decode kernel's, one a batch row and KV head (merge_ranges);
+        # 16 bytes or more: MLX keeps arrays of up to 8 in managed memory.
+        self._counters = mx.zeros((max(4, shape[0] * shape[1]),), mx.uint32)
         return True
 
     def _tail_update(self, keys, values):

@@ -325,6 +325,7 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     assert inputs[7] is before[0] and inputs[8] is before[1]  # tk, tv
     assert inputs[9] is step[0] and inputs[10] is step[1]  # nk, nv
     assert inputs[-1] is c._counters and c._counters.dtype == mx.uint32
+    assert c._counters.nbytes > 8  # 2 heads: 8 bytes would be managed memory
     assert [x.shape for x in c._tail] == [(1, 2, 8, 64)] * 2
     assert all(mx.all(x == 1).item() for x in c._tail)  # the kernel's outputs
     assert out.shape == q.shape and mx.all(out == 1).item()

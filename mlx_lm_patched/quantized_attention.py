@@ -190,7 +190,10 @@ def _quantize_tail(q_keys, q_values, group_size, bits):
     tokens, the bits the cache will hold."""
     quantized, tail = (n - 1 for n in q_keys[4].shape)  # see _decode_lengths
     out = []
-    for *parts, rest, _ in (q_keys, q_values):
+    for fetched in (q_keys, q_values):
+        *parts, rest, _ = fetched
+        if hasattr(fetched, "written"):  # the step's tokens, not in the tail
+            rest = fetched.written()
         width = parts[0].shape[-1] * 32 // bits
         rest = rest[:, :, :tail]
         if width > rest.shape[-1]:

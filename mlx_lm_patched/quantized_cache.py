@@ -32,11 +32,11 @@ once: its tokens wait in a small buffer of the cache dtype, the tail, and
 are quantized ``decode_tail`` (64) at a time, into the same bits as one by
 one. ``update_and_fetch`` hands attention the whole buffers, the tail and
 an array whose shape carries the two lengths (``_decode_lengths``) instead
-of six slices, and the tail is written with the step's tokens lazily
+of six slices, and the step's tokens are not written into the tail
 (``_TailFetch``): ``quantized_decode_attention`` reads the tail as it was
 and the step's tokens where they are, writes the new tail as it goes and
-hands it to the cache, so no write of the cache's runs in a decode step
-but every 64th (two quantizes and six writes, against ``KVCache``'s two
+hands it to the cache (any other reader writes it, ``_written_tail``), so
+no write of the cache's is made in a decode step but every 64th (two quantizes and six writes, against ``KVCache``'s two
 writes every step). A decode step's cache work and its host time were
 what kept ``--kv-bits`` below the bfloat16 cache's speed there.
 Everything else (``keys``, ``state``, ``trim``, ``nbytes``, ...) sees the
@@ -158,16 +158,22 @@ def _decode_lengths(quantized, tail):
 
 class _TailFetch(tuple):
     """A ``QuantizedKVCache`` decode step's ``(packed, scales, biases, tail,
-    lengths)``, the tail written with the step's tokens lazily: ``before``
-    is the tail without them and ``new`` the tokens, which the decode
-    kernel reads, handing ``cache`` the tail it writes (``_wrote_tail``).
-    H200, Llama-8B shape, 8 bits: the two writes a layer took 0.8 ms of a
-    decode step's 3.0 of MLX launches."""
+    lengths)``, the step's tokens not in the tail: ``before`` (the tail
+    item) is the tail without them, ``new`` the tokens, to go at ``start``.
+    The decode kernel reads both and hands ``cache`` the tail it writes
+    (``_wrote_tail``); ``written()`` writes it for any other reader. H200,
+    Llama-8B shape, 8 bits: the two writes a layer took 0.8 ms of a decode
+    step's 3.0 of MLX launches; made and never run, 1.6 us of its host
+    time each."""
 
-    def __new__(cls, items, before, new, cache):
+    def __new__(cls, items, new, start, cache):
         self = super().__new__(cls, items)
-        self.before, self.new, self.cache = before, new, cache
+        self.before, self.new, self.start, self.cache = items[3], new, start, cache
         return self
+
+    def written(self):
+        """The tail with the step's tokens."""
+        return mx.slice_update(self.before, self.new, _tail_start(self.start), (2,))
 
 
 class _QuantizedKVCache:
@@ -180,6 +186,8 @@ class _QuantizedKVCache:
         else 0
     )
     _tail_len = 0
+    # A decode step's fetches (_tail_update) while its tokens are not in _tail.
+    _step = None
 
     def __init__(self, group_size: int = 64, bits: int = 8):
         # keys, values: (packed, scales, biases), each (B, H, capacity, ...);
@@ -320,36 +328,41 @@ class _QuantizedKVCache:
         n = keys.shape[2]
         if self._tail_len + n > self._tail[0].shape[2]:
             self._flush()
-        tk, tv = self._tail
+        tk, tv = self._written_tail()
         t = self._tail_len
-        start = _tail_start(t)
-        self._tail = tuple(
-            mx.slice_update(x, y, start, (2,)) for x, y in ((tk, keys), (tv, values))
-        )
         self.offset += n
         self._tail_len = t + n
         lengths = _decode_lengths(self.offset - t - n, t + n)
-        return (
-            _TailFetch((*self._keys, self._tail[0], lengths), tk, keys, self),
-            _TailFetch((*self._values, self._tail[1], lengths), tv, values, self),
+        self._step = (
+            _TailFetch((*self._keys, tk, lengths), keys, t, self),
+            _TailFetch((*self._values, tv, lengths), values, t, self),
         )
+        return self._step
+
+    def _written_tail(self):
+        """The tail with the last decode step's tokens in it (written here if
+        no kernel wrote it)."""
+        if self._step is not None:
+            self._tail = tuple(f.written() for f in self._step)
+            self._step = None
+        return self._tail
 
     def _keeps(self, fetched):
-        """Whether the lazy tail of ``fetched`` (``_tail_update``) is still
-        the tail: a kernel writing it then hands the cache its tail."""
-        return self._tail is not None and self._tail[0] is fetched[3]
+        """Whether ``fetched`` (``_tail_update``) is the step whose tokens
+        the tail waits for: a kernel writing them hands the cache its tail."""
+        return self._step is not None and self._step[0] is fetched
 
     def _wrote_tail(self, fetched, tk, tv):
         """Take the decode kernel's tail, written with the step's tokens, for
-        the lazy one ``fetched`` (``_tail_update``) if it is still the tail."""
+        ``fetched`` (``_tail_update``) if the tail still waits for them."""
         if self._keeps(fetched):
-            self._tail = (tk, tv)
+            self._tail, self._step = (tk, tv), None
 
     def _flush(self):
         """Quantize the tail's tokens into ``keys`` and ``values``."""
         t, self._tail_len = self._tail_len, 0
         end = self.offset
-        tk, tv = self._tail
+        tk, tv = self._written_tail()
         _, keys, values = _kv_quantize(
             tk[:, :, :t], tv[:, :, :t], self.group_size, self.bits
         )
@@ -402,7 +415,7 @@ class _QuantizedKVCache:
         self.keys = None if keys is None else tuple(keys)
         self.values = None if values is None else tuple(values)
         self.reserved = 0
-        self._tail = None
+        self._tail = self._step = None
 
     @staticmethod
     def _check_state(v):
@@ -433,7 +446,7 @@ class _QuantizedKVCache:
         """Copy the live tokens into exactly sized buffers, freeing the old ones."""
         if self.keys is None:
             return
-        self._tail = None
+        self._tail = self._step = None
         if self.offset == 0:
             self.keys = self.values = None
             return

@@ -280,13 +280,15 @@ def _decode_launch(
     writes it with the step's tokens (a ``_TailFetch``), else None;
     ``merge``: whether the tensor-core kernel merges its ranges itself
     (counted by the cache's counters; no second kernel then)."""
-    key = (B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal)
-    key += (splits, dtype, scale, tail, tail_dtype)
-    key += (DECODE_KEYS_PER_ITER, DECODE_PREFETCH)
-    key += (DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA, DECODE_MMA_WARPS)
-    key += (merge,)
-    if key in _decode_launches:
-        return _decode_launches[key]
+    key = (
+        *(B, n_q_heads, L, D, n_kv_heads, width, bits, group_size, kind, causal),
+        *(splits, dtype, scale, tail, tail_dtype, merge, DECODE_KEYS_PER_ITER),
+        *(DECODE_PREFETCH, DECODE_DIMS_PER_LANE, DECODE_ROWS, DECODE_MMA),
+        DECODE_MMA_WARPS,
+    )
+    launch = _decode_launches.get(key)
+    if launch is not None:
+        return launch
     n_repeats = n_q_heads // n_kv_heads
     rows = n_repeats * L
     mma = _decode_mma(rows, width)
@@ -403,11 +405,10 @@ def quantized_decode_attention(
         tail_dtype,
         merge,
     )
-    counters = _decode_constant(0, mx.uint32)
-    if reduce is None:  # merged in the first kernel, counted on the cache's
-        counters = fetched.cache._counters
-    inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask]
-    parts = partial["kernel"](inputs=inputs + [counters], **partial["call"])
+    # Merged in the first kernel (no reduce), counted on the cache's counters.
+    counters = _decode_constant(0, mx.uint32) if reduce else fetched.cache._counters
+    inputs = [queries, *q_keys, *q_values, tk, tv, nk, nv, lengths, mask, counters]
+    parts = partial["kernel"](inputs=inputs, **partial["call"])
     if tail_dtype is not None:
         fetched.cache._wrote_tail(fetched, *parts[1:3])
     if reduce is None:

@@ -21,7 +21,11 @@ def decode_attention_reference(
     tail = 0
     if len(q_keys) == 5:
         kL, tail = (n - 1 for n in q_keys[4].shape)
-        rest = [x[3][:, :, :tail].astype(mx.float32) for x in (q_keys, q_values)]
+        rest = [
+            (x.written() if hasattr(x, "written") else x[3])[:, :, :tail]
+            for x in (q_keys, q_values)
+        ]
+        rest = [x.astype(mx.float32) for x in rest]
         q_keys, q_values = ([p[:, :, :kL] for p in x[:3]] for x in (q_keys, q_values))
     n_kv_heads, kL = q_keys[0].shape[-3], q_keys[0].shape[-2]
     n_repeats = n_q_heads // n_kv_heads

@@ -314,10 +314,13 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     c.update_and_fetch(*random_kv(1, 2, 20, 64, dtype=bf16))
     c.update_and_fetch(*random_kv(1, 2, 1, 64, dtype=bf16))  # tail: 1 token
     step = random_kv(1, 2, 1, 64, dtype=bf16)
-    before = c._tail
+    before = c._written_tail()  # the last step's tokens, written here
     q_keys, q_values = c.update_and_fetch(*step)
-    written = [x[:, :, :2] for x in c._tail]  # the lazy write, evaluated
+    assert c._tail is before  # no write made
+    assert q_keys[3] is before[0] and q_values[3] is before[1]
+    written = [x.written()[:, :, :2] for x in (q_keys, q_values)]  # another reader's
     assert mx.array_equal(written[0][:, :, 1:], step[0]).item()
+    assert mx.array_equal(written[1][:, :, 1:], step[1]).item()
     q = mx.ones((1, 8, 1, 64), mx.bfloat16)
     out = qa.quantized_decode_attention(q, q_keys, q_values, 0.1, None, 64, 8)
     ((first, t, inputs),) = made  # the ranges merged in the first kernel

@@ -186,17 +186,17 @@ class _QuantizedKVCache:
         else 0
     )
     _tail_len = 0
-    # A decode step's fetches (_tail_update) while its tokens are not in _tail.
-    _step = None
 
     def __init__(self, group_size: int = 64, bits: int = 8):
         # keys, values: (packed, scales, biases), each (B, H, capacity, ...);
         # tokens [0, offset) are live, [offset, capacity) are padding. The
         # last _tail_len of them may wait in _tail (keys and values of
-        # decode_tail tokens in the cache dtype) until keys is read.
+        # decode_tail tokens in the cache dtype) until keys is read; _step:
+        # a decode step's fetches (_tail_update) while its tokens are not in
+        # _tail (the decode kernel writes them).
         self.keys = None
         self.values = None
-        self._tail = None
+        self._tail = self._step = None
         self.offset = 0
         # As asked until the first update, then the one in use (see
         # _kv_quant_layout); head dims wider than head_dims are zero padding.

@@ -467,16 +467,20 @@ def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
 
 
 def test_qdecode_host_times_every_side_in_one_process():
-    """Each side's step build, launch and whole (ms), and its first layer's
-    update and attention call (us): every figure measured, none zero."""
+    """Each side's step build, launch, whole and wait after its launch (ms),
+    and its first layer's update and attention call (us): every figure
+    measured, none zero but the wait; the CUDA graph settings kept."""
     from mlx_lm_patched.bench import qdecode
 
     tiny = "--parts host --sides bf16,q8,q4,q8_old --layers 2 --hidden 64 "
     tiny += "--heads 4 --kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 "
     tiny += "--chunk 64 --steps 4 --device cpu"
-    row = qdecode.main(tiny.split())["host"]["96"]
+    out = qdecode.main(tiny.split())["host"]
+    assert set(out["env"]) == {"MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER"}
+    row = out["96"]
     assert set(row) == {"bf16", "q8", "q4"}  # the old road needs its own process
     keys = {"build_ms", "launch_ms", "synced_ms", "update_us", "attention_us"}
     for side in row.values():
-        assert set(side) == keys and all(v > 0 for v in side.values())
+        assert set(side) == keys | {"after_ms"} and side.pop("after_ms") >= 0
+        assert all(v > 0 for v in side.values())
         assert side["synced_ms"] >= side["build_ms"]

@@ -415,14 +415,20 @@ def host(args):
     """A decode step's host time, the sides in one process over one model
     (their caches prefilled alike), taking turns a step at a time: the
     median ms to build a step (``build``), to launch it (``launch``,
-    ``mx.async_eval``'s call) and the whole, synced (``synced``); then, us a
-    call over the first layer's cache, its update (``update_us``) and the
-    attention call after it (``attention_us``). Where build + launch exceeds
-    the GPU's time a step, the host bounds decode."""
+    ``mx.async_eval``'s call), the whole, synced (``synced``), and what the
+    step waits after its launch (``after``); then, us a call over the first
+    layer's cache, its update (``update_us``) and the attention call after
+    it (``attention_us``). Where build + launch exceeds the GPU's time a
+    step, the host bounds decode. On CUDA with
+    ``MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000`` (kept
+    in the JSON) a step is one CUDA graph, launched as ``mx.async_eval``
+    returns: ``after`` is then its GPU time, in situ (ncu times kernels one
+    at a time from cold caches)."""
     model, sides, prompts = _one_process(args)
-    out = {}
+    graphs = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
+    out = {"env": {k: os.environ.get(k) for k in graphs}}
     for n, prompt in prompts:
-        caches, tokens, res = {}, {}, {s: ([], [], []) for s in sides}
+        caches, tokens, res = {}, {}, {s: ([], [], [], []) for s in sides}
         for side in sides:
             caches[side] = make_prompt_cache(model)
             gen = _greedy(model, prompt, args, SIDES[side][0], caches[side], 8)
@@ -430,6 +436,7 @@ def host(args):
         for step in range(args.steps + 3):  # 3 to warm up
             for side in sides:
                 times = _step_times(model, tokens[side], caches[side])
+                times += (times[2] - times[0] - times[1],)  # after its launch
                 if step >= 3:
                     for series, t in zip(res[side], times):
                         series.append(t)
@@ -448,7 +455,8 @@ def host(args):
             attended = time.perf_counter()
             mx.eval(o, k, v)
             med = [round(1e3 * float(np.median(x)), 3) for x in res[side]]
-            row[side] = dict(zip(("build_ms", "launch_ms", "synced_ms"), med))
+            names = ("build_ms", "launch_ms", "synced_ms", "after_ms")
+            row[side] = dict(zip(names, med))
             row[side]["update_us"] = round(1e6 * (updated - tic) / calls, 2)
             row[side]["attention_us"] = round(1e6 * (attended - updated) / calls, 2)
         out[str(n)] = row

@@ -171,6 +171,9 @@ class _TailFetch(tuple):
         self.before, self.new, self.start, self.cache = items[3], new, start, cache
         return self
 
+    def __getnewargs__(self):  # copy.deepcopy (upstream's prompt cache LRU)
+        return tuple(self), self.new, self.start, self.cache
+
     def written(self):
         """The tail with the step's tokens."""
         return mx.slice_update(self.before, self.new, _tail_start(self.start), (2,))

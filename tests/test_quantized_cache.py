@@ -1,5 +1,6 @@
 """QuantizedKVCache done right: sizes, bytes, growth, exports, layouts, tokens."""
 
+import copy
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -499,6 +500,28 @@ def test_no_tail_where_the_kernel_cannot_read_one():
         c.update_and_fetch(k, v)
         keys, _ = c.update_and_fetch(k[:, :, :1], v[:, :, :1])
         assert len(keys) == 3 and c._tail is None, (dtype, bits, dims)
+
+
+def test_a_cache_whose_step_waits_for_its_tail_write_deep_copies():
+    """A decode step's tokens not yet in the tail (no kernel wrote them):
+    ``copy.deepcopy`` (upstream's prompt cache LRU) copies the cache, the
+    copy's tail gets them, and the two go on apart."""
+    on, off = tail_pair(8)
+    k, v = kv(40, dtype=mx.bfloat16, seed=1)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+    k, v = kv(1, dtype=mx.bfloat16, seed=2)
+    for c in (on, off):
+        c.update_and_fetch(k, v)
+    assert on._step is not None
+    twin = copy.deepcopy(on)
+    assert twin._step is not None and twin._step[0].cache is twin
+    k, v = kv(2, dtype=mx.bfloat16, seed=3)
+    twin.update_and_fetch(k, v)
+    off.update_and_fetch(k, v)
+    assert same(twin.state, off.state)
+    assert on.offset == 41  # the original, untouched by its copy's step
+    assert same(list(on.state[0]), [x[:, :, :41] for x in off.state[0]])
 
 
 def test_greedy_tokens_with_a_tail_equal_those_without(monkeypatch):

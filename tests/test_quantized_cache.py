@@ -1,6 +1,7 @@
 """QuantizedKVCache done right: sizes, bytes, growth, exports, layouts, tokens."""
 
 import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest

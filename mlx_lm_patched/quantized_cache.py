@@ -37,8 +37,9 @@ of six slices, and the step's tokens are not written into the tail
 and the step's tokens where they are, writes the new tail as it goes and
 hands it to the cache (any other reader writes it, ``_written_tail``), so
 no write of the cache's is made in a decode step but every 64th (two
-quantizes and six writes, against ``KVCache``'s two writes every step). A decode step's cache work and its host time were
-what kept ``--kv-bits`` below the bfloat16 cache's speed there.
+quantizes and six writes, against ``KVCache``'s two writes every step). A
+decode step's cache work and its host time were what kept ``--kv-bits``
+below the bfloat16 cache's speed there.
 Everything else (``keys``, ``state``, ``trim``, ``nbytes``, ...) sees the
 tail quantized first.
 """

@@ -466,12 +466,23 @@ def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
         assert not any(k.startswith("q8") for k in ratios)
 
 
-def test_qdecode_host_times_every_side_in_one_process():
+def test_qdecode_host_times_every_side_in_one_process(monkeypatch):
     """Each side's step build, launch, whole and wait after its launch (ms),
     and its first layer's update and attention call (us): every figure
-    measured, none zero but the wait; the CUDA graph settings kept."""
+    measured, none zero but the wait; the CUDA graph settings kept; each
+    attention call timed over an update of its own (a decode step's call:
+    over one fetch, the second call on would not be the cache's)."""
+    from mlx_lm.models import base
+
     from mlx_lm_patched.bench import qdecode
 
+    attention, seen = base.scaled_dot_product_attention, []
+
+    def spy(queries, keys, *args, **kwargs):
+        seen.append(keys)  # held: ids stay unique
+        return attention(queries, keys, *args, **kwargs)
+
+    monkeypatch.setattr(base, "scaled_dot_product_attention", spy)
     tiny = "--parts host --sides bf16,q8,q4,q8_old --layers 2 --hidden 64 "
     tiny += "--heads 4 --kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 "
     tiny += "--chunk 64 --steps 4 --device cpu"
@@ -484,3 +495,4 @@ def test_qdecode_host_times_every_side_in_one_process():
         assert set(side) == keys | {"after_ms"} and side.pop("after_ms") >= 0
         assert all(v > 0 for v in side.values())
         assert side["synced_ms"] >= side["build_ms"]
+    assert len(seen) >= 3 * 2 and len({id(k) for k in seen}) == len(seen)

@@ -417,8 +417,9 @@ def host(args):
     median ms to build a step (``build``), to launch it (``launch``,
     ``mx.async_eval``'s call), the whole, synced (``synced``), and what the
     step waits after its launch (``after``); then, us a call over the first
-    layer's cache, its update (``update_us``) and the attention call after
-    it (``attention_us``). Where build + launch exceeds the GPU's time a
+    layer's cache, ``--layers`` times its update (``update_us``) and the
+    attention call over that update (``attention_us``: each the call a
+    cache's decode step makes, its tail written by the kernel). Where build + launch exceeds the GPU's time a
     step, the host bounds decode. On CUDA with
     ``MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000`` (kept
     in the JSON) a step is one CUDA graph, launched as ``mx.async_eval``
@@ -445,20 +446,20 @@ def host(args):
         x, kv = x.astype(mx.bfloat16), kv.astype(mx.bfloat16)
         row = {}
         for side in sides:
-            c, calls = caches[side][0], args.layers
-            tic = time.perf_counter()
-            for _ in range(calls):
+            c, calls, update, attend = caches[side][0], args.layers, 0.0, 0.0
+            for _ in range(calls):  # as a step's layer: an update, its attention
+                tic = time.perf_counter()
                 k, v = c.update_and_fetch(kv, kv)
-            updated = time.perf_counter()
-            for _ in range(calls):
+                updated = time.perf_counter()
                 o = base.scaled_dot_product_attention(x, k, v, c, 0.088, None)
-            attended = time.perf_counter()
+                update += updated - tic
+                attend += time.perf_counter() - updated
             mx.eval(o, k, v)
             med = [round(1e3 * float(np.median(x)), 3) for x in res[side]]
             names = ("build_ms", "launch_ms", "synced_ms", "after_ms")
             row[side] = dict(zip(names, med))
-            row[side]["update_us"] = round(1e6 * (updated - tic) / calls, 2)
-            row[side]["attention_us"] = round(1e6 * (attended - updated) / calls, 2)
+            row[side]["update_us"] = round(1e6 * update / calls, 2)
+            row[side]["attention_us"] = round(1e6 * attend / calls, 2)
         out[str(n)] = row
         print(f"[qdecode] host {n} {row}", file=sys.stderr, flush=True)
     return out

@@ -466,6 +466,24 @@ def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
         assert not any(k.startswith("q8") for k in ratios)
 
 
+def test_qdecode_memory_decodes_the_same_tokens_pipelined_and_synced():
+    """Each side's decode memory part: pipelined steps (as generate_step
+    runs them) and synced steps give the same greedy tokens, and every
+    figure is measured (peaks above the start, tokens/s, the cache's bytes)."""
+    from mlx_lm_patched.bench import qdecode
+
+    tiny = "--parts memory --sides bf16,q8,q4 --layers 2 --hidden 64 --heads 4 "
+    tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 --chunk 64 "
+    tiny += "--steps 6 --device cpu"
+    row = qdecode.main(tiny.split())["memory"]["96"]
+    assert set(row) == {"bf16", "q8", "q4"}
+    for fig in row.values():
+        assert fig.pop("same_tokens") is True
+        assert all(fig[f"{w}_tok_s"] > 0 for w in ("pipelined", "synced"))
+        assert all(v >= 0 for v in fig.values()) and fig["cache_nbytes"] > 0
+    assert row["q4"]["cache_nbytes"] < row["q8"]["cache_nbytes"]
+
+
 def test_qdecode_host_times_every_side_in_one_process(monkeypatch):
     """Each side's step build, launch, whole and wait after its launch (ms),
     and its first layer's update and attention call (us): every figure

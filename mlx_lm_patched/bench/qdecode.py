@@ -36,6 +36,14 @@ Its parts, one JSON:
 - ``host``: a decode step's host time, the sides in one process taking
   turns a step at a time: build, launch and whole (medians of
   ``--steps``), and a layer's cache update and attention call alone.
+- ``memory``: each side's decode memory, in one process: after a prompt
+  and two tokens, ``--steps`` greedy steps pipelined as ``generate_step``
+  runs them (the next step launched before the last token is read) and
+  again each step synced; the peak above the active memory at their start
+  and tokens/s. On CUDA a bfloat16 ``KVCache`` write meeting the last
+  step still in flight copies the layer's whole buffer (MLX donates only
+  what nothing else holds; the backend holds a graph's inputs until it
+  has run): pipelined, its peak grows by most of the cache.
 - ``steps``: a decode step's caches and attention alone, 32 layers
   (``_qdecode_timing.layer_steps``).
 
@@ -465,6 +473,59 @@ def host(args):
     return out
 
 
+def _decode_steps(model, cache, token, steps, pipelined):
+    """``steps`` greedy tokens after ``token``: pipelined (the next step
+    launched before the last token is read, as ``generate_step`` does) or
+    each step evaluated before the next is built."""
+    y, tokens = mx.array([token]), []
+    for i in range(steps):
+        nxt = mx.argmax(model(y[None], cache=cache)[:, -1, :], axis=-1)
+        if pipelined:
+            mx.async_eval(nxt)
+            if i:  # the last step's token, read while this one runs
+                tokens.append(y.item())
+        else:
+            tokens.append(nxt.item())
+        y = nxt
+    if pipelined:
+        tokens.append(y.item())
+    return tokens
+
+
+def memory(args):
+    """Each side's decode memory and speed, pipelined and synced
+    (``_decode_steps``), from a cache that has the prompt and two tokens:
+    the peak above the active memory at the start (``peak_over_start``,
+    bytes), tokens/s and whether both ways gave the same tokens."""
+    model, sides, prompts = _one_process(args)
+    out = {}
+    for n, prompt in prompts:
+        row = {}
+        for side in sides:
+            fig, tokens = {"cache_nbytes": 0}, {}
+            for way in ("pipelined", "synced"):
+                cache = make_prompt_cache(model)
+                gen = _greedy(model, prompt, args, SIDES[side][0], cache, 2)
+                token = list(gen)[-1][0]
+                _fresh()
+                start = mx.get_active_memory()
+                mx.reset_peak_memory()
+                tic = time.perf_counter()
+                tokens[way] = _decode_steps(
+                    model, cache, token, args.steps, way == "pipelined"
+                )
+                seconds = time.perf_counter() - tic
+                fig[f"{way}_peak_over_start"] = mx.get_peak_memory() - start
+                fig[f"{way}_tok_s"] = round(args.steps / seconds, 2)
+                fig["cache_nbytes"] = sum(c.nbytes for c in cache)
+                del cache, gen
+            fig["same_tokens"] = tokens["pipelined"] == tokens["synced"]
+            row[side] = fig
+        out[str(n)] = row
+        print(f"[qdecode] memory {n} {row}", file=sys.stderr, flush=True)
+    return out
+
+
 def _start_side(args, side):
     """A side's process (``run_side``): its model built, waiting for
     requests; its stderr kept in a file (``err``) for a failure's message."""
@@ -703,7 +764,7 @@ def build_parser():
     p.add_argument(
         "--fresh", action="store_true", help="e2e: new sides' processes each round"
     )
-    p.add_argument("--steps", type=int, default=30, help="host: steps a side")
+    p.add_argument("--steps", type=int, default=30, help="host, memory: steps a side")
     p.add_argument("--blocks", type=int, default=qa.DECODE_BLOCKS)
     p.add_argument("--kt", type=int, default=qa.DECODE_KEYS_PER_ITER)
     p.add_argument("--pf", type=int, default=int(qa.DECODE_PREFETCH))
@@ -732,6 +793,7 @@ def main(argv=None):
         "e2e": e2e,
         "turns": turns,
         "host": host,
+        "memory": memory,
     }
     for name in args.parts:
         result[name] = parts[name](args)

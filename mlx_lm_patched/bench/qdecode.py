@@ -427,8 +427,9 @@ def host(args):
     step waits after its launch (``after``); then, us a call over the first
     layer's cache, ``--layers`` times its update (``update_us``) and the
     attention call over that update (``attention_us``: each the call a
-    cache's decode step makes, its tail written by the kernel). Where build + launch exceeds the GPU's time a
-    step, the host bounds decode. On CUDA with
+    cache's decode step makes, its tail written by the kernel). Where
+    build + launch exceeds the GPU's time a step, the host bounds decode.
+    On CUDA with
     ``MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=1000000`` (kept
     in the JSON) a step is one CUDA graph, launched as ``mx.async_eval``
     returns: ``after`` is then its GPU time, in situ (ncu times kernels one

@@ -503,7 +503,7 @@ def memory(args):
     for n, prompt in prompts:
         row = {}
         for side in sides:
-            fig, tokens = {"cache_nbytes": 0}, {}
+            fig, tokens = {}, {}
             for way in ("pipelined", "synced"):
                 cache = make_prompt_cache(model)
                 gen = _greedy(model, prompt, args, SIDES[side][0], cache, 2)

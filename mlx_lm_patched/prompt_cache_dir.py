@@ -90,6 +90,7 @@ class PromptCacheDir:
         self._looked = (None, 0.0)  # the directory's mtime, when, at the last look
         self._unsound = set()  # (name, mtime, size) of files skipped with a warning
         self._digests = {}  # (directory, its files' stats) -> digest
+        self._digest_lock = threading.Lock()  # one reader of a model's files
         self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
         self._pool = (0, None)  # (read_threads, the threads reading entries)
         self._lock_dir()
@@ -184,13 +185,14 @@ class PromptCacheDir:
             st = os.stat(path)
             stats.append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
         key = json.dumps([os.path.abspath(directory), stats])
-        if key not in self._digests:
-            h = hashlib.sha256()
-            for (name, path), st in zip(files, stats):
-                h.update(json.dumps([name, st[1]]).encode())
-                with open(path, "rb") as f:
-                    h.update(hashlib.file_digest(f, "sha256").digest())
-            self._digests[key] = "sha256:" + h.hexdigest()[:32]
+        with self._digest_lock:  # a second caller waits for the first's digest
+            if key not in self._digests:
+                h = hashlib.sha256()
+                for (name, path), st in zip(files, stats):
+                    h.update(json.dumps([name, st[1]]).encode())
+                    with open(path, "rb") as f:
+                        h.update(hashlib.file_digest(f, "sha256").digest())
+                self._digests[key] = "sha256:" + h.hexdigest()[:32]
         return self._digests[key]
 
     def _lock_dir(self):

@@ -57,6 +57,27 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     from .host_export import HostPromptCache
 
 
+class _Columns:
+    """Columns ``start:stop`` (the token axis) of an evaluated ``array``: a
+    block of a run (``PromptBlocks``), sliced where it is read (on the
+    writer thread, in numpy) rather than one MLX view a block and layer."""
+
+    def __init__(self, array, start: int, stop: int, shape: tuple, dtype):
+        self.array, self.start, self.stop, self.dtype = array, start, stop, dtype
+        self.shape = (*shape[:2], stop - start, *shape[3:])
+        self.nbytes = dtype.size
+        for n in self.shape:
+            self.nbytes *= n
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.asarray(self.array)[..., self.start : self.stop, :]
+
+    def view(self, dtype):
+        return self.array.view(dtype)[..., self.start : self.stop, :]
+
+
 class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 
@@ -119,16 +140,23 @@ class PromptBlockDir(PromptCacheDir):
         size = size.pop()
         counts = {i: (len(c.blocks), lay) for i, (c, lay) in shared.items()}
         names = self._block_names(model, tokens, size, counts)
+        runs = {}  # (layer, run) -> its arrays viewed as stored, evaluated once
         for j, (name, held, digest) in enumerate(names):
             arrays, dtypes = {}, {}
             for i, _ in held:
-                for k, x in tree_flatten(shared[i][0].blocks[j][0]):
-                    dtypes[f"{i}.{k}"] = str(x.dtype).split(".")[-1]
-                    bits = x.view(mx.uint16) if x.dtype == mx.bfloat16 else x
-                    arrays[f"{i}.{k}"] = copy.copy(bits)  # its own handle
+                run, _, _, _, start, stop = shared[i][0].blocks[j]
+                if (i, id(run)) not in runs:
+                    runs[i, id(run)] = [
+                        (f"{i}.{k}", str(x.dtype).split(".")[-1], x.shape)
+                        + ((x.view(mx.uint16),) if x.dtype == mx.bfloat16 else (x,))
+                        for k, x in tree_flatten(run[0])
+                    ]
+                for k, dtype_name, shape, x in runs[i, id(run)]:
+                    dtypes[k] = dtype_name
+                    arrays[k] = _Columns(x, start, stop, shape, x.dtype)
             meta = {"0.model": model, "0.layers": json.dumps(held), "0.chain": digest}
             blocks[name] = HostPromptCache(arrays, dtypes, meta)
-        mx.eval([list(b.arrays.values()) for b in blocks.values()])  # views: no copy
+        mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
         meta = {"size": size, "layers": {str(i): n for i, (n, _) in counts.items()}}
         meta["files"] = [name for name, _, _ in names]
         return layers, {"format": "2", "blocks": json.dumps(meta)}, blocks
@@ -411,11 +439,12 @@ class PromptBlockDir(PromptCacheDir):
         return True
 
 
+_Columns = cache_class("mlx_lm.models.cache", _Columns)
 PromptBlockDir = cache_class("mlx_lm.models.cache", PromptBlockDir, PromptCacheDir)
 
 PATCH = Patch(
     "prompt_cache_disk_blocks",
     "PromptBlockDir: the disk tier writes shared prefix blocks as block files, "
     "once per directory, named by content, removed with the last entry naming them",
-    targets("mlx_lm.models.cache", PromptBlockDir),
+    targets("mlx_lm.models.cache", _Columns, PromptBlockDir),
 )

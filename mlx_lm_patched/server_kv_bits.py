@@ -28,6 +28,8 @@ from ._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import gc
+    import logging
+    import time
 
     import mlx.core as mx
     from mlx_lm.server import (
@@ -55,6 +57,27 @@ def _failing_alone(fn, errors, fallback):
             return fallback(*args)
 
     return call
+
+
+def _log_timing(timing, phase):
+    """Log a request's breakdown at DEBUG: the milliseconds each phase took
+    (``first_token``: from joining the batch, ``segments`` the inserts at
+    its segments' ends within it; ``store``: its entry's insert once
+    answered), each phase logged once."""
+    if phase in timing:
+        return
+    timing[phase] = time.perf_counter()
+    if phase == "first_token":
+        steps = ("tokenize", "prepare", "fetch", "insert", "first_token")
+        before = ["start", *steps]
+    else:
+        steps, before = ("store",), ("done",)
+    parts = " ".join(
+        f"{k}={(timing[k] - timing[b]) * 1e3:.1f}ms" for k, b in zip(steps, before)
+    )
+    if phase == "first_token":  # of which the inserts at segment ends
+        parts += f" segments={timing.get('segments', 0.0) * 1e3:.1f}ms"
+    logging.debug(f"prompt-cache timing: {parts}")
 
 
 class ResponseGenerator:
@@ -121,10 +144,12 @@ class ResponseGenerator:
                     and current_model == args.model
                     and batchable
                 ):
+                    timing = {"start": time.perf_counter()}
                     try:
                         prompt, segments, segment_types, initial_state, _ = (
                             self._tokenize(current_tokenizer, request, args)
                         )
+                        timing["tokenize"] = time.perf_counter()
                         # server_failures: what a request's arguments raise,
                         # here or in a batch step, fails that request alone.
                         stop_sequences, text_sm = self._make_state_machine(
@@ -147,9 +172,11 @@ class ResponseGenerator:
                         continue
 
                     self._log_cache_stats()
+                    timing["prepare"] = time.perf_counter()
                     cache, rest = self.prompt_cache.fetch_nearest_cache(
                         current_model_key, prompt
                     )
+                    timing["fetch"] = time.perf_counter()
                     prompt_cache_count = len(prompt) - len(rest)
                     N = prompt_cache_count
                     while N > 0:
@@ -187,7 +214,9 @@ class ResponseGenerator:
                         "segment_types": segment_types[::-1],
                         "top_logprobs": args.top_logprobs,
                         "errors": errors,
+                        "timing": timing,
                     }
+                    timing["insert"] = time.perf_counter()
                     # just making sure we don't leave a reference around
                     del cache
 
@@ -278,16 +307,22 @@ class ResponseGenerator:
                     ]
                     caches = batch_generator.extract_cache(eos_ids)
                     for uid, (cache, cache_key) in caches.items():
+                        timing = batch_results[uid]["timing"]
+                        at = time.perf_counter()
                         self.prompt_cache.insert_cache(
                             self.model_provider.model_key,
                             cache_key[:],
                             cache,
                             cache_type=batch_results[uid]["segment_types"].pop(),
                         )
+                        timing["segments"] = timing.get("segments", 0.0) + (
+                            time.perf_counter() - at
+                        )
                     del caches
 
                     for r in gen_responses:
                         result = batch_results[r.uid]
+                        _log_timing(result["timing"], "first_token")
 
                         # Don't decode the final stop token
                         if r.finish_reason == "stop":
@@ -317,12 +352,14 @@ class ResponseGenerator:
 
                         if r.finish_reason is not None:
                             result["rqueue"].put(None)
+                            result["timing"]["done"] = time.perf_counter()
                             self.prompt_cache.insert_cache(
                                 current_model_key,
                                 r.all_tokens[:],
                                 r.prompt_cache,
                                 cache_type="assistant",
                             )
+                            _log_timing(result["timing"], "store")
                             del batch_results[r.uid]
 
                         if result["ctx"]._should_stop:
@@ -348,7 +385,7 @@ class ResponseGenerator:
 PATCH = Patch(
     "server_kv_bits",
     "server: batch requests with --kv-bits, passing it to BatchGenerator",
-    targets("mlx_lm.server", _failing_alone)
+    targets("mlx_lm.server", _failing_alone, _log_timing)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=("mlx_lm.generate:BatchGenerator.__init__",),  # kv_bits
 )

@@ -143,6 +143,7 @@ class Prompts:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.tokenizer.model_max_length = sys.maxsize  # counting, not running
         has_template = getattr(self.tokenizer, "chat_template", None) is not None
         self.chat = endpoint == "chat" if endpoint else has_template
         self.words = sorted(set(tiny.TEXT.split()))
@@ -279,7 +280,9 @@ def merge(outs):
 
 
 def _round(v):
-    return round(v, 4) if isinstance(v, float) else v
+    if isinstance(v, float):  # a median of counts: a whole number
+        return int(v) if v.is_integer() else round(v, 4)
+    return v
 
 
 def table(scenario, sides, keys):

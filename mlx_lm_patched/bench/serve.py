@@ -207,7 +207,7 @@ def shared(ctx, server):
 def conversation(ctx):
     """``(messages, edited)``: about ``--edited`` tokens in ``--tool``-token
     messages, and the same with a word inserted ``--edit-chars`` characters
-    before the end of the last."""
+    before its end."""
     a, text = ctx.args, ctx.prompts.text
     n = max(3, a.edited // a.tool) | 1  # odd: user first and last
     roles = ["user", "assistant"]

@@ -55,13 +55,15 @@ class Server:
         while time.perf_counter() - tic < self.start_timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.front} exited {self.proc.returncode}")
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     return time.perf_counter() - tic
             except OSError:
                 pass
+            finally:
+                conn.close()
             time.sleep(0.1)
         self.stop(signal.SIGKILL)
         raise TimeoutError(f"{self.front} not healthy after {self.start_timeout} s")

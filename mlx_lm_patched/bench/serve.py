@@ -314,11 +314,6 @@ SCENARIOS = {
 }
 
 
-class Context:
-    def __init__(self, args, prompts):
-        self.args, self.prompts = args, prompts
-
-
 def side_flags(side):
     """``(front, flags, has a prompt-cache directory)`` of a side's name."""
     front, *mods = side.split("-")
@@ -469,7 +464,7 @@ def main(argv=None):
     results = {s: {} for s in args.scenarios}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         model = model_dir(args, tmp)
-        ctx = Context(args, Prompts(model, args.endpoint))
+        ctx = argparse.Namespace(args=args, prompts=Prompts(model, args.endpoint))
         for r in range(args.runs):
             sides = args.sides if r % 2 == 0 else args.sides[::-1]
             if args.reuse:

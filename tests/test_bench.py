@@ -14,7 +14,7 @@ import pytest
 
 import mlx_lm_patched
 from mlx_lm_patched.bench import __main__ as bench
-from mlx_lm_patched.bench import memory, soak
+from mlx_lm_patched.bench import memory, serve, soak
 
 # 3 layers, ring of 300: upstream grows 40 -> 296 -> 300 during decode.
 TINY = (
@@ -514,3 +514,60 @@ def test_qdecode_host_times_every_side_in_one_process(monkeypatch):
         assert all(v > 0 for v in side.values())
         assert side["synced_ms"] >= side["build_ms"]
     assert len(seen) >= 3 * 2 and len({id(k) for k in seen}) == len(seen)
+
+
+def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
+    sides = ["upstream", "patched", "patched-dir"]
+    argv = "--shape tiny --scale 0.03 --reply 8 --turns 3 --shared-requests 3 "
+    argv += "--concurrent 3 --concurrent-turns 2 --reuse --breakdown --settle 0.3 "
+    argv += f"--sides {','.join(sides)} --logs {tmp_path} --out {tmp_path / 'o.json'}"
+    out = serve.main(argv.split())
+    assert json.loads((tmp_path / "o.json").read_text()) == out
+    assert list(out)[:5] == HEADER and out["endpoint"] == "chat"
+    assert set(out["scenarios"]) == set(serve.SCENARIOS)
+    for name, by_side in out["scenarios"].items():
+        assert list(by_side) == sides
+        for side, r in by_side.items():
+            if name == "restart" and side != "patched-dir":
+                assert r == {"skipped": "no --prompt-cache-dir"}
+                continue
+            assert "error" not in r, (name, side, r)
+            ttft = [r[k] for k in r if k.startswith("ttft_")]  # agent: a list too
+            ttft = [t for v in ttft for t in (v if isinstance(v, list) else [v])]
+            assert ttft and all(t > 0 for t in ttft), (name, side, r)
+        # Every side was sent the same prompts.
+        counts = {
+            r.get("prompt_tokens") for r in by_side.values() if "skipped" not in r
+        }
+        assert len(counts) == 1 and counts.pop() > 0
+    # A disk hit after SIGTERM and after kill -9, each restart a new process.
+    restart = out["scenarios"]["restart"]["patched-dir"]
+    assert restart["cached_sigterm"] > 0 and restart["cached_kill9"] > 0
+    assert restart["tiers"]["disk hit"] == 2
+    assert out["scenarios"]["concurrent"]["patched"]["prompt_cache_bytes"] > 0
+
+
+def test_serve_bench_reads_both_servers_logs_and_takes_medians_of_runs():
+    from mlx_lm_patched.bench._serve import log_figures, merge
+
+    log = (
+        "INFO - Prompt Cache: 2 sequences, 1.50 GB\n"  # upstream's
+        "INFO - Prompt Cache: 3 sequences, 0.00 GB (2189312 B)\n"  # ours
+        "INFO - Prompt cache disk hit: 700 of 735 tokens\n"
+        "DEBUG - prompt-cache timing: tokenize=0.5ms lookup=1.25ms prefill=30ms\n"
+        "DEBUG - prompt-cache timing: tokenize=1.5ms lookup=0.75ms prefill=10ms\n"
+    )
+    figures = log_figures(log)
+    assert figures["prompt_cache_bytes"] == 2189312
+    assert figures["prompt_cache_bytes_max"] == 1_500_000_000
+    assert figures["tiers"] == {"disk hit": 1}
+    assert figures["timing_ms"]["lookup"] == [1.25, 0.75]
+    runs = [
+        {"ttft_s": 1.0, "ttft": [1.0, 4.0], **figures},
+        {"ttft_s": 3.0, "ttft": [2.0, 6.0], "timing_ms": {"lookup": [2.0]}},
+        {"error": "RuntimeError: the server died"},
+    ]
+    merged = merge(runs)
+    assert merged["ttft_s"] == 2.0 and merged["ttft"] == [1.5, 5.0]
+    assert merged["timing_ms"] == {"tokenize": 1.0, "lookup": 1.25, "prefill": 20.0}
+    assert merged["failed_runs"] == ["RuntimeError: the server died"]

@@ -24,6 +24,7 @@ MODULES = [
     "qdecode",
     "checkpoints",
     "prefix_blocks",
+    "serve",
 ]
 
 

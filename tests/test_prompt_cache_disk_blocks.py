@@ -402,3 +402,42 @@ def test_whole_entry_files_still_load_and_a_newer_format_is_a_miss(tmp_path, cap
         assert DiskPromptCache(str(tmp_path)).get("m", other) is None
     assert any(name in r.message and "format '3'" in r.message for r in caplog.records)
     tier.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_directory_never_holds_more_than_its_budget(replicas, tmp_path):
+    """Sampled every millisecond without the directory's lock (entries,
+    block files and temporary files): never past the budget, with one
+    writer or two replicas' writers at once. Before, files were written
+    outside the lock and put in place before the eviction pass (#48)."""
+    import threading
+
+    mx.random.seed(9)
+    convs = conversations(4, 256, 100) + conversations(4, 192, 100, first=600)
+    budget = 3 * PER_TOKEN * 400
+    tiers = [DiskPromptCache(str(tmp_path), budget) for _ in range(replicas)]
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.001):
+            total = 0
+            for e in os.scandir(tmp_path):
+                try:
+                    total += e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], total)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for i, (tokens, cache) in enumerate(convs):
+            shared = PromptBlocks().share("m", tokens, cache)
+            tiers[i % replicas].put("m", tokens, shared)
+        for tier in tiers:
+            tier.close()
+    finally:
+        done.set()
+        sampler.join()
+    assert 0 < peak[0] <= budget
+    assert sum(t.written + t.dropped for t in tiers) == len(convs)

@@ -13,6 +13,9 @@ directory, so replicas sharing it hold it together (two held 7.77 MB of a
 4 MB budget when each counted its own), oldest mtime first; a killed
 writer's temporary files go at the next count; on a full disk the oldest
 entries make room; replicas find each other's new files (``_refresh``). A
+file where an entry or block goes that is not a regular file this process
+can open (a link, a directory, ``EACCES``) is a miss and is set aside
+(``_set_aside``), so the next write puts the file there. A
 model key names the weights (a digest of each local directory's files,
 ``_model_key``) and ``scope`` (a server's ``--kv-bits``). An entry's data
 is read by several threads (``_read_arrays``), each checking what it read
@@ -49,6 +52,13 @@ class PromptCacheDir:
 
     # Seconds an unlocked temporary file is left to its writer.
     temp_grace = 10.0
+
+    # Errors opening or reading a file that say it is not one to read: it is
+    # set aside (``_set_aside``) so a write can put an entry or block there.
+    unreadable = (
+        errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENXIO,
+        errno.ENODEV, errno.EIO,
+    )  # fmt: skip
 
     # Threads reading an entry's data; bytes a read at most (a multiple of 8).
     read_threads = 8
@@ -253,22 +263,77 @@ class PromptCacheDir:
 
     def _remove_stale(self, path: str):
         """Remove the temporary file ``path`` if no writer holds its lock
-        (its writer died) and it is older than ``temp_grace``."""
+        (its writer died) and it is older than ``temp_grace``; whether it
+        is gone."""
         try:
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < (
                 self.temp_grace
             ):
-                return
+                return False
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.remove(path)
                 logging.info(f"[prompt cache] removed {path}, left by a writer")
+                return True
             finally:
                 os.close(fd)
+        except FileNotFoundError:
+            return True
         except OSError:
-            pass  # its writer holds it, or it is gone
+            return False  # its writer holds it
+
+    def _present(self, name: str):
+        """Whether ``name`` is a regular file this process can open; anything
+        else there (a link, a directory, a FIFO, a file it may not read) is
+        set aside, so a write can put the file there. Called with the
+        directory locked."""
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                try:
+                    os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+                    return True
+                except OSError as e:
+                    if e.errno not in self.unreadable:
+                        raise
+        except FileNotFoundError:
+            return False
+        self._set_aside(name, st)
+        return False
+
+    def _set_aside(self, name: str, st):
+        """Remove file ``name`` if it is still the one ``st`` (its ``lstat``)
+        describes, not one a writer renamed in since; a directory that is
+        not empty is renamed ``<name>.<ns>.unsound``. Warned; called with the
+        directory locked."""
+        path = os.path.join(self.directory, name)
+        try:
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return
+            if stat.S_ISDIR(now.st_mode):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    os.rename(path, f"{path}.{time.time_ns()}.unsound")
+            else:
+                os.remove(path)
+            logging.warning(f"[prompt cache] removed {path}: it cannot be read")
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logging.warning(f"[prompt cache] could not remove {path}: {e!r}")
+
+    def _remove_unsound(self, name: str, st):
+        """``_set_aside`` with the directory locked (a reader's)."""
+        self._lock_dir()
+        try:
+            self._set_aside(name, st)
+        finally:
+            self._unlock_dir()
 
     def _read_header(self, path: str, full: bool = False, fd=None):
         """``(model, tokens, tokens it can trim, file bytes)`` from the

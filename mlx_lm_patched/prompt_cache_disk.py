@@ -18,7 +18,10 @@ took 1,160 ms when ``put`` copied it itself); a thread copies and writes
 them (a locked temporary file renamed into place). Held, they cannot be
 donated to an update. The queue holds at most ``queue_bytes`` (past it, an
 entry is ``dropped``, warned); ``get`` serves queued entries;
-``close(timeout)`` writes the queue in a bounded time. ``get`` returns the
+``close(timeout)`` writes the queue in a bounded time. Every entry queued
+ends ``written`` or ``dropped``: an error writing one is warned once and
+the writer goes on (a ``KeyError`` outside its ``try`` once ended the
+thread, and nothing was written after it, #48). ``get`` returns the
 longest stored prefix of a prompt (or a longer entry trimmed to it, or back
 to its rings' checkpoints, as ``LRUPromptCache.fetch_nearest_cache`` does)
 as a working cache, bit for bit, and the tokens left to prefill. It reads
@@ -55,12 +58,11 @@ from ._registry import Patch, cache_class, targets
 from .prompt_cache_disk_blocks import PromptBlockDir
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    import errno
-    import fcntl
     import json
     import logging
     import os
     import queue
+    import stat
     import threading
     import time
 
@@ -100,10 +102,12 @@ class DiskPromptCache(PromptBlockDir):
         PromptBlockDir.__init__(self, directory, max_bytes)
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0  # of the entries in _pending
-        self.dropped = 0  # entries not queued: the queue was full
+        # Entries put and not written: no room in the queue or in the budget,
+        # or an error writing them (warned); and entries written.
+        self.dropped = self.written = 0
         self._layouts = {}  # model key -> prompt_cache_layout of its own caches
         self._closed = self._given_up = False  # close(); its timeout ran out
-        self._queue = queue.Queue()  # names in _pending, then None
+        self._queue = queue.Queue()  # (name, state, bytes) of _pending, then None
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
 
@@ -116,14 +120,15 @@ class DiskPromptCache(PromptBlockDir):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
         (its arrays are evaluated here, not copied); ``get`` serves it from
         now on. An entry written or queued already is left as it is; one
-        that would take the queue past ``queue_bytes`` is dropped (warned,
-        counted in ``dropped``) unless the queue is empty."""
+        that would take the queue past ``queue_bytes`` (unless the queue is
+        empty) or is larger than ``max_bytes`` is dropped (warned, counted in
+        ``dropped``)."""
         if self._closed:
             raise ValueError("DiskPromptCache.put after close()")
         tokens = [int(t) for t in tokens]
         model = self._model_key(model)
         name = self._name(model, tokens)
-        if name in self._files:
+        if name in self._files or name in self._pending:
             return
         # The most tokens trim_prompt_cache can take off exactly (a wrapped
         # ring: its slack); can_trim_prompt_cache is monotone in the count.
@@ -142,21 +147,29 @@ class DiskPromptCache(PromptBlockDir):
             **blocks_metadata,
         }
         state = prompt_cache_state(cache, metadata)
-        state.blocks = blocks
+        state.blocks, state.entry = blocks, (model, tokens, trimmable)
         with self._lock:
-            if self._pending and self.queued_bytes + state.nbytes > self.queue_bytes:
+            if name in self._pending:
+                return
+            why = None
+            if state.nbytes > self.max_bytes:
+                why = f"--prompt-cache-disk-bytes {self.max_bytes}"
+            elif self._pending and self.queued_bytes + state.nbytes > self.queue_bytes:
+                why = (
+                    f"{self.queued_bytes} B queued, "
+                    f"--prompt-cache-queue-bytes {self.queue_bytes}"
+                )
+            if why is not None:
                 self.dropped += 1
                 logging.warning(
                     f"[prompt cache] not writing {len(tokens)} tokens "
-                    f"({state.nbytes} B): {self.queued_bytes} B queued, "
-                    f"--prompt-cache-queue-bytes {self.queue_bytes}; "
-                    f"{self.dropped} dropped so far"
+                    f"({state.nbytes} B): {why}; {self.dropped} dropped so far"
                 )
                 return
             self._pending[name] = state
             self.queued_bytes += state.nbytes
             self._add(name, (model, tokens, trimmable, 0))  # 0: no file yet
-        self._queue.put(name)
+        self._queue.put((name, state, state.nbytes))
 
     def learn(self, model: Any, cache: List[Any]):
         """Take ``cache`` as what ``model``'s caches look like: an entry of
@@ -171,66 +184,75 @@ class DiskPromptCache(PromptBlockDir):
                 pass  # a cache kind it cannot describe: nothing to compare
 
     def _write_loop(self):
-        while (name := self._queue.get()) is not None:
-            state, done = self._pending[name], False
+        """Write what is queued, until ``None``. An entry not written (no
+        room, an error: warned once, naming it) is counted in ``dropped``
+        and not served; the loop goes on whatever happens."""
+        while (item := self._queue.get()) is not None:
+            name, state, nbytes = item
+            done = False
             try:
                 done = not self._given_up and self._write(name, state)
             except Exception as e:
                 logging.warning(f"[prompt cache] could not write {name}: {e!r}")
-            finally:
+            try:
                 with self._lock:
-                    del self._pending[name]
-                    self.queued_bytes -= state.nbytes
-                    if not done and name in self._files:
-                        self._drop(name)  # not written: not served
+                    if self._pending.get(name) is state:
+                        del self._pending[name]
+                        if not done and name in self._files:
+                            self._drop(name)  # not written: not served
+                    self.queued_bytes -= nbytes
+                    if done:
+                        self.written += 1
+                    else:
+                        self.dropped += 1
+            except Exception as e:
+                logging.warning(f"[prompt cache] after writing {name}: {e!r}")
+            finally:
                 self._queue.task_done()
         self._queue.task_done()
 
     def _write(self, name: str, state):
-        """Write the queued entry ``name`` (its block files first); whether
-        it was written."""
-        if state.nbytes > self.max_bytes:
-            return False
+        """Write the queued entry ``name`` (its block files first) with the
+        directory locked, having made room for its files first (so its
+        files never take the directory past ``max_bytes``, replicas' writes
+        included); whether it was written."""
         # The host copy, on this thread: the arrays' own memory, read in place.
-        host, header = self._seal(state)
-        entry = self._files[name][:3]
+        host = self._seal(state)[0]
         path = os.path.join(self.directory, name)
-        temp = f"{path}.{os.getpid()}-{id(self):x}.tmp"
-        blocks = self._block_temps(state.blocks)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        self._lock_dir()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # not stale while it is written
-            while True:
-                try:
-                    host.save(temp)
-                    break
-                except OSError as e:
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    # The disk is full: the oldest entries make room.
-                    need = host.nbytes + len(json.dumps(header)) + 64
-                    self._lock_dir()
-                    try:
-                        if not self._shrink(free=need):
-                            raise
-                    finally:
-                        self._unlock_dir()
-            self._lock_dir()
+            self._present(name)  # anything but a file there is set aside
+            new = {
+                b: self._seal(s)[0]
+                for b, s in state.blocks.items()
+                if not self._present(b)
+            }
+            need = sum(self._file_bytes(h) for h in (host, *new.values()))
+            keep = set(state.blocks)
+            if need <= self.max_bytes:
+                self._shrink(room=need, keep=keep)
+            if self._n_bytes + need > self.max_bytes:
+                logging.warning(
+                    f"[prompt cache] not writing {name} ({need} B): "
+                    f"{self._n_bytes} B in {self.directory}, "
+                    f"--prompt-cache-disk-bytes {self.max_bytes}"
+                )
+                return False
+            temps = {}
             try:
-                self._place_blocks(state.blocks, blocks)  # before the entry
-                os.replace(temp, path)
-                now = time.time_ns()  # finer than the file system's clock
-                os.utime(path, ns=(now, now))
-                with self._lock:
-                    self._add(name, (*entry, os.path.getsize(path)))
-                self._shrink()
+                for b, h in (*new.items(), (name, host)):
+                    temps[b] = self._save_temp(b, h, need, keep)
+                for b in temps:  # the blocks before the entry naming them
+                    os.replace(temps[b][0], os.path.join(self.directory, b))
             finally:
-                self._unlock_dir()
+                self._close_temps(temps)
+            now = time.time_ns()  # finer than the file system's clock
+            os.utime(path, ns=(now, now))
+            with self._lock:
+                self._add(name, (*state.entry, os.path.getsize(path)))
+            self._shrink()
         finally:
-            if os.path.lexists(temp):
-                os.remove(temp)
-            os.close(fd)
-            self._close_temps(blocks)
+            self._unlock_dir()
         return True
 
     def _pending_cache(self, name: str):
@@ -249,9 +271,12 @@ class DiskPromptCache(PromptBlockDir):
         its CRC, each layer hold the tokens its header names. Its arrays
         are read in parallel (``_read_arrays``) and each is copied into MLX
         while the next are read; the time taken goes into ``read_rate``."""
-        path = os.path.join(self.directory, name)
+        path, st = os.path.join(self.directory, name), None
         start = time.perf_counter()
         try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:  # header and data from one open file: a rename cannot mix them
                 entry, header = self._read_header(path, full=True, fd=fd)
@@ -281,6 +306,12 @@ class DiskPromptCache(PromptBlockDir):
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
+            if st is not None and (
+                not stat.S_ISREG(st.st_mode)
+                or isinstance(e, OSError)
+                and e.errno in self.unreadable
+            ):  # set aside: the next write puts the entry there
+                self._remove_unsound(name, st)
             return None
 
     def get(self, model: Any, tokens: List[int], cached: int = 0, saves=None):
@@ -373,7 +404,7 @@ class DiskPromptCache(PromptBlockDir):
             )
             return left
         os.close(self._dir_fd)
-        return 0
+        return len(self._pending)
 
 
 class DiskLRUPromptCache(LRUPromptCache):

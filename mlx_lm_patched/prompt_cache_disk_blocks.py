@@ -21,18 +21,22 @@ every replica on the directory that holds the same prefix names the same
 files; entries without ``0.blocks`` are whole (the first format) and
 load as before.
 
-Writing: the writer thread writes the blocks not yet on disk to locked
-temporary files, then, under the directory's ``flock``, puts each in
-place (or, if another process removed it meanwhile, writes it there)
-before it renames the entry into place; the budget is counted under the
-same lock (``_shrink``: every entry file and block file, a block once;
-the least recently used entries go, and a block goes when no remaining
-entry names it), so no entry on disk ever names a block that is not.
-Reading: the block files an entry names are checked against what its own
-model, tokens and layers make them (another model's or layout's block is
-refused), then read in parallel, each checked as an entry is (header,
-manifest, CRC-32, finite floats) and for the dtypes and shapes its entry
-needs; anything else is a miss with a warning.
+Writing: under the directory's ``flock`` the writer thread first makes
+room for the entry's file and the block files not yet on disk (``_shrink``
+with ``room``: every entry, block and temporary file counted, a block
+once; the least recently used entries go, and a block goes when no
+remaining entry, nor the entry being written, names it), then writes them
+to locked temporary files and renames the blocks, then the entry, into
+place: no entry on disk ever names a block that is not, and the directory
+never holds more than its budget, replicas' writes included (one replica
+at 300 KB peaked at 2.03x its budget when files were put in place before
+the eviction pass, #48). Reading: the block files an entry names are
+checked against what its own model, tokens and layers make them (another
+model's or layout's block is refused), then read in parallel, each
+checked as an entry is (header, manifest, CRC-32, finite floats) and for
+the dtypes and shapes its entry needs; anything else is a miss with a
+warning, and a block that is unsound or cannot be read (a link, a
+directory, a FIFO, ``EACCES``) is set aside so the next write replaces it.
 """
 
 import json
@@ -45,6 +49,7 @@ from .prompt_cache_dir import PromptCacheDir
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import copy
+    import errno
     import fcntl
     import hashlib
     import logging
@@ -161,44 +166,35 @@ class PromptBlockDir(PromptCacheDir):
         meta["files"] = [name for name, _, _ in names]
         return layers, {"format": "2", "blocks": json.dumps(meta)}, blocks
 
-    def _block_temps(self, blocks: Dict[str, Any]):
-        """Write each of ``blocks`` not on disk to a locked temporary file;
-        ``{name: (temp path, fd)}``: ``_place_blocks`` puts them in place."""
-        temps = {}
-        try:
-            for name, state in blocks.items():
-                path = os.path.join(self.directory, name)
-                if not os.path.exists(path):
-                    temps[name] = self._save_temp(path, self._seal(state)[0])
-        except BaseException:
-            self._close_temps(temps)
-            raise
-        return temps
-
-    def _place_blocks(self, blocks: Dict[str, Any], temps: dict):
-        """Put every one of ``blocks`` on disk (renamed from ``temps``, or
-        written now where another process removed it since); with the
-        directory locked, before the entry naming them is renamed in."""
-        for name, state in blocks.items():
-            path = os.path.join(self.directory, name)
-            if name not in temps and not os.path.exists(path):
-                temps[name] = self._save_temp(path, self._seal(state)[0])
-            if name in temps:
-                os.replace(temps[name][0], path)
-
-    def _save_temp(self, path: str, host):
-        """``(temp, fd)``: ``host`` saved to a new temporary file beside
-        ``path``, locked while open (so no scan takes it for stale)."""
-        temp = f"{path}.{os.getpid()}-{id(self):x}.tmp"
+    def _save_temp(self, name: str, host, free: int, keep=()):
+        """``(temp, fd)``: ``host`` saved to a new temporary file beside file
+        ``name``, locked while open (so no scan takes it for stale); on a
+        full disk the oldest entries make room for ``free`` bytes (``keep``:
+        the block files the entry written names). Called with the directory
+        locked."""
+        temp = os.path.join(self.directory, f"{name}.{os.getpid()}-{id(self):x}.tmp")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            host.save(temp)
+            while True:
+                try:
+                    host.save(temp)
+                    break
+                except OSError as e:
+                    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    if not (full and self._shrink(free=free, keep=keep)):
+                        raise
         except BaseException:
             os.remove(temp)
             os.close(fd)
             raise
         return temp, fd
+
+    @staticmethod
+    def _file_bytes(host):
+        """The bytes of the file ``host.save`` writes."""
+        n = len(json.dumps(host.header()).encode())
+        return 8 + n + (-n % 8) + host.nbytes
 
     @staticmethod
     def _close_temps(temps: dict):
@@ -291,12 +287,23 @@ class PromptBlockDir(PromptCacheDir):
             raise ValueError("it names block files its model, tokens and layers do not")
 
         def read(name, held, digest):
-            path = os.path.join(self.directory, name)
+            path, st = os.path.join(self.directory, name), None
             try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError("not a regular file")
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise ValueError(f"its block {name} is missing") from None
+            except (OSError, ValueError) as e:  # set aside: written when named
+                if st is not None and getattr(e, "errno", None) in (
+                    None,
+                    *self.unreadable,
+                ):
+                    self._remove_unsound(name, st)
+                raise ValueError(f"block {name}: {e!r}") from None
             try:
+                st = os.fstat(fd)
                 got, _ = self._safetensors_header(fd)
                 m = got["__metadata__"]
                 if [m.get("0.model"), m.get("0.layers"), m.get("0.chain")] != [
@@ -315,8 +322,9 @@ class PromptBlockDir(PromptCacheDir):
                     raise ValueError(f"its block {name} holds other arrays")
                 arrays = {}
                 self._read_arrays(fd, got, lambda k, d: arrays.update({k: (got[k], d)}))
-            except ValueError as e:  # unsound: removed, written again when named
-                self._remove_unsound(name, fd)
+            except (OSError, ValueError) as e:  # unsound: removed, written again
+                if getattr(e, "errno", None) in (None, *self.unreadable):
+                    self._remove_unsound(name, st)
                 raise ValueError(f"block {name}: {e}") from None
             finally:
                 os.close(fd)
@@ -329,20 +337,6 @@ class PromptBlockDir(PromptCacheDir):
         for name, arrays in self._blocks_pool[1].map(lambda x: read(*x), want):
             found[name] = {k: self._array(*x) for k, x in arrays.items()}
         return found
-
-    def _remove_unsound(self, name: str, fd: int):
-        """Remove block file ``name`` if it is still the file open on ``fd``
-        (not one a writer renamed in since)."""
-        self._lock_dir()
-        try:
-            if os.lstat(os.path.join(self.directory, name)).st_ino == (
-                os.fstat(fd).st_ino
-            ):
-                self._unlink(name)
-        except OSError:
-            pass
-        finally:
-            self._unlock_dir()
 
     def _refs(self, name: str):
         """The block files the entry file ``name`` names (none if its header
@@ -380,13 +374,15 @@ class PromptBlockDir(PromptCacheDir):
                 pass
         return size
 
-    def _shrink(self, free: int = 0):
-        """Count every entry file and block file in the directory (other
-        processes' too) and remove the least recently used entries until
-        they fit ``max_bytes`` and, with ``free``, take ``free`` fewer bytes;
-        a block file goes when no remaining entry names it. Returns the
-        bytes removed. Called with the directory locked."""
-        found, blocks = [], {}
+    def _shrink(self, free: int = 0, room: int = 0, keep=()):
+        """Count every entry file, block file and temporary file in the
+        directory (other processes' too) and remove the least recently used
+        entries until they fit ``max_bytes`` less ``room`` (what a write is
+        about to add) and, with ``free``, take ``free`` fewer bytes; a block
+        file goes when no remaining entry (nor ``keep``, the blocks of the
+        entry being written) names it. Returns the bytes removed. Called
+        with the directory locked."""
+        found, blocks, temps = [], {}, 0
         for e in os.scandir(self.directory):
             if self._is_entry(e.name) or self._is_block(e.name):
                 try:
@@ -399,16 +395,19 @@ class PromptBlockDir(PromptCacheDir):
                     found.append((st.st_mtime_ns, e.name, st.st_size))
                 else:
                     blocks[e.name] = st.st_size
-            elif self._is_temp(e.name):
-                self._remove_stale(e.path)
-        refs = {}
+            elif self._is_temp(e.name) and not self._remove_stale(e.path):
+                try:  # a live writer's (another version's) or a recent one's
+                    temps += e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+        refs = {b: 1 for b in keep}
         for name in set(self._refs_seen) - {name for _, name, _ in found}:
             del self._refs_seen[name]  # removed by another process
         for _, name, _ in found:
             for block in self._refs(name):
                 refs[block] = refs.get(block, 0) + 1
-        total = sum(size for _, _, size in found) + sum(blocks.values())
-        limit = min(self.max_bytes, total - free)
+        total = sum(size for _, _, size in found) + sum(blocks.values()) + temps
+        limit = min(self.max_bytes - room, total - free)
         removed = sum(blocks[b] for b in blocks if not refs.get(b) and self._unlink(b))
         with self._lock:
             self._forget({name for _, name, _ in found})
@@ -418,8 +417,8 @@ class PromptBlockDir(PromptCacheDir):
                 if not self._unlink(name):
                     continue
                 removed += size
-                if name in self._files:
-                    self._drop(name)
+                if name in self._files and name not in self._pending:
+                    self._drop(name)  # a queued one is written again
                 for b in self._refs_seen.pop(name, (0, ()))[1] & set(refs):
                     refs[b] -= 1
                     if refs[b] == 0 and b in blocks and self._unlink(b):

@@ -135,10 +135,13 @@ def run(
             f"({disk.queued_bytes} B) to {directory}, for at most "
             f"{disk.drain_seconds} s"
         )
-        start = time.perf_counter()
+        start, before = time.perf_counter(), (disk.written, disk.dropped)
         left = disk.close(timeout=disk.drain_seconds)
+        written, dropped = disk.written - before[0], disk.dropped - before[1]
         logging.info(
-            f"Prompt cache: written in {time.perf_counter() - start:.2f} s"
+            f"Prompt cache: written {written} entries in "
+            f"{time.perf_counter() - start:.2f} s"
+            + (f", {dropped} not written (warned)" if dropped else "")
             + (f", {left} entries left unwritten" if left else "")
         )
 

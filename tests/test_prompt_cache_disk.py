@@ -933,3 +933,122 @@ def test_a_resealed_file_holding_nan_or_inf_is_a_miss(
     assert tier.get(MODEL, PROMPT[:90] + EXTRA) is None
     assert f"{path}: ValueError('array 1.0 holds NaN or infinite" in caplog.text
     assert len(tier) == 0
+
+
+# Hardening, second round (#48): the writer never dies, every queued entry is
+# written or counted as dropped; an entry file of another kind is a miss that
+# the next write replaces.
+
+
+def test_an_entry_put_again_while_queued_is_written_once_and_the_writer_goes_on(
+    load_tiny, tmp_path
+):
+    """A queued entry the index dropped (a ``get`` refused its cache: here
+    the model's caches are learned with one kv head) and put again: it is written
+    once, and so is the entry queued after it. Before, it was queued twice
+    and the second ``_pending[name]`` raised ``KeyError`` outside the
+    writer's ``try``: the thread died and nothing was written after it."""
+    model, _ = load_tiny("llama")
+    other, _ = load_tiny("llama", num_key_value_heads=1)
+    x, y = ([t] + PROMPT[:100] for t in (1, 2))
+    tier = disk(tmp_path)
+    tier.learn(MODEL, prefilled(other, x))
+    lock = DirectoryHeld(tmp_path)
+    try:
+        tier.put(MODEL, x, prefilled(model, x))
+        assert tier.get(MODEL, x + EXTRA) is None  # refused: not its layout
+        tier.put(MODEL, x, prefilled(model, x))
+        tier.put(MODEL, y, prefilled(model, y))
+    finally:
+        lock.release()
+    assert tier.close(timeout=60) == 0
+    assert not tier._writer.is_alive() and tier.queued == tier.queued_bytes == 0
+    assert (tier.written, tier.dropped) == (2, 0)
+    assert len(files(tmp_path)) == 2
+
+
+def test_a_replica_evicting_a_file_another_has_queued_loses_no_write(
+    load_tiny, tmp_path, caplog
+):
+    """Replica ``b`` queues ``x`` while ``x``'s file (replica ``a``'s) is on
+    disk; ``b``'s budget pass for the entry before evicts that file. Before,
+    it took ``x`` out of ``b``'s index too, and the write of ``x`` failed:
+    ``could not write ...: KeyError``."""
+    model, _ = load_tiny("llama")
+    x, y = ([t] + PROMPT[:200] for t in (1, 2))
+    one = written(tmp_path / "one", (x, prefilled(model, x))).nbytes
+    shared = tmp_path / "tier"
+    b = disk(shared, max_bytes=one + one // 2)
+    written(shared, (x, prefilled(model, x)))  # replica a
+    caplog.set_level(logging.WARNING)
+    lock = DirectoryHeld(shared)
+    try:
+        b.put(MODEL, y, prefilled(model, y))
+        b.put(MODEL, x, prefilled(model, x))  # on disk, not in b's index
+    finally:
+        lock.release()
+    b.close()
+    assert "could not write" not in caplog.text
+    assert (b.written, b.dropped) == (2, 0)
+    assert disk(shared).get(MODEL, x + EXTRA)[1] == EXTRA
+
+
+def test_the_writer_survives_any_error_and_counts_the_entry_dropped(
+    load_tiny, tmp_path, caplog
+):
+    """An exception the writer does not expect (here: the state of a queued
+    entry cannot be copied to host) is warned once, naming the entry, and
+    counted; the next entry is written."""
+    model, _ = load_tiny("llama")
+    x, y = ([t] + PROMPT[:100] for t in (1, 2))
+    tier = disk(tmp_path)
+    caplog.set_level(logging.WARNING)
+    lock = DirectoryHeld(tmp_path)
+    try:
+        tier.put(MODEL, x, prefilled(model, x))
+        (state,) = tier._pending.values()
+        state.arrays = None  # nothing to copy: TypeError in the writer
+        tier.put(MODEL, y, prefilled(model, y))
+    finally:
+        lock.release()
+    assert tier.close(timeout=60) == 0
+    name = tier._name(tier._model_key(MODEL), x)
+    assert caplog.text.count(f"could not write {name}") == 1
+    assert (tier.written, tier.dropped) == (1, 1) and tier.queued_bytes == 0
+    assert tier.get(MODEL, x + EXTRA) is None
+    assert tier.get(MODEL, y + EXTRA)[1] == EXTRA
+
+
+def entry_replaced_by(kind, path):
+    os.remove(path)
+    if kind == "directory":
+        os.mkdir(path)
+        (path / "inside").write_bytes(b"x")
+    elif kind == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+
+
+@pytest.mark.parametrize("kind", ["directory", "link to /dev/zero", "fifo"])
+def test_an_entry_file_of_another_kind_is_a_miss_and_written_again(
+    kind, load_tiny, tmp_path, caplog
+):
+    """An indexed entry's file replaced by a directory, a link or a FIFO: a
+    miss with a warning, set aside, and the next write of the entry puts it
+    back (before, a directory stayed and every write of it failed)."""
+    model, _ = load_tiny("llama")
+    tokens = PROMPT[:100]
+    tier = disk(tmp_path)
+    tier.put(MODEL, tokens, prefilled(model, tokens))
+    tier.flush()
+    (name,) = files(tmp_path)
+    entry_replaced_by(kind, tmp_path / name)
+    caplog.set_level(logging.WARNING)
+    assert tier.get(MODEL, tokens + EXTRA) is None
+    assert f"skipping {tmp_path / name}" in caplog.text
+    tier.put(MODEL, tokens, prefilled(model, tokens))
+    tier.close()
+    assert "could not write" not in caplog.text
+    assert os.path.isfile(tmp_path / name) and not os.path.islink(tmp_path / name)
+    assert disk(tmp_path).get(MODEL, tokens + EXTRA)[1] == EXTRA

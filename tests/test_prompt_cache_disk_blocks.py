@@ -184,28 +184,28 @@ def test_eviction_never_removes_a_block_an_entry_names(tmp_path):
 def test_a_block_another_replica_removes_meanwhile_is_written_again(
     tmp_path, monkeypatch
 ):
-    """An entry whose block was on disk when its write began, removed (the
-    last entry naming it evicted by a replica) before the entry is renamed
-    in, is written with that block, never without it."""
+    """An entry whose block was on disk when it was queued, removed (the
+    last entry naming it evicted by a replica) before the writer takes the
+    directory's lock, is written with that block, never without it."""
     mx.random.seed(5)
     convs = conversations(2, 256, 20)
     tier = stored(tmp_path, convs[:1]).disk
     (first,) = entries(tmp_path)
     replica = DiskPromptCache(str(tmp_path))
-    temps = DiskPromptCache._block_temps
+    seal = DiskPromptCache._seal
 
-    def evicted_meanwhile(self, state_blocks):
-        made = temps(self, state_blocks)  # found every block on disk: none made
-        os.remove(tmp_path / first)
-        replica._lock_dir()
-        try:
-            replica._shrink()  # its blocks go with it
-        finally:
-            replica._unlock_dir()
-        assert made == {} and blocks(tmp_path) == []
-        return made
+    def evicted_meanwhile(self, state):
+        if "0.blocks" in state.metadata:  # the entry, sealed before the lock
+            os.remove(tmp_path / first)
+            replica._lock_dir()
+            try:
+                replica._shrink()  # its blocks go with it
+            finally:
+                replica._unlock_dir()
+            assert blocks(tmp_path) == []
+        return seal(self, state)
 
-    monkeypatch.setattr(DiskPromptCache, "_block_temps", evicted_meanwhile)
+    monkeypatch.setattr(DiskPromptCache, "_seal", evicted_meanwhile)
     tokens, cache = convs[1]
     tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
     tier.flush()
@@ -283,6 +283,29 @@ def another_layout(tier, d):
     os.truncate(path, 8 + n + (os.path.getsize(path) - 8 - n) // 2)
 
 
+def block_replaced_by(kind):
+    """A block file replaced by a link to ``/dev/zero`` (opened, it never
+    ends), a directory with a file in it, or a FIFO: kinds that once made
+    its prefix a miss for good (#48), or a file it cannot open (EACCES)."""
+
+    def tamper(tier, d):
+        path = d / blocks(d)[0]
+        if kind == "unreadable":
+            if os.geteuid() == 0:
+                pytest.skip("root opens a file of mode 000")
+            return os.chmod(path, 0)
+        os.remove(path)
+        if kind == "link":
+            os.symlink("/dev/zero", path)
+        elif kind == "directory":
+            os.mkdir(path)
+            (path / "inside").write_bytes(b"x")
+        else:
+            os.mkfifo(path)
+
+    return tamper
+
+
 CASE = None
 
 
@@ -295,8 +318,23 @@ CASE = None
         lambda tier, d: os.remove(d / blocks(d)[1]),
         other_models_blocks,
         another_layout,
+        block_replaced_by("link"),
+        block_replaced_by("directory"),
+        block_replaced_by("fifo"),
+        block_replaced_by("unreadable"),
     ],
-    ids=["swapped", "flipped", "truncated", "missing", "other_model", "other_layout"],
+    ids=[
+        "swapped",
+        "flipped",
+        "truncated",
+        "missing",
+        "other_model",
+        "other_layout",
+        "link_to_dev_zero",
+        "directory",
+        "fifo",
+        "unreadable",
+    ],
 )
 def test_a_tampered_missing_or_foreign_block_is_a_miss_with_a_warning(
     tamper, tmp_path, caplog
@@ -364,3 +402,42 @@ def test_whole_entry_files_still_load_and_a_newer_format_is_a_miss(tmp_path, cap
         assert DiskPromptCache(str(tmp_path)).get("m", other) is None
     assert any(name in r.message and "format '3'" in r.message for r in caplog.records)
     tier.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_directory_never_holds_more_than_its_budget(replicas, tmp_path):
+    """Sampled every millisecond without the directory's lock (entries,
+    block files and temporary files): never past the budget, with one
+    writer or two replicas' writers at once. Before, files were written
+    outside the lock and put in place before the eviction pass (#48)."""
+    import threading
+
+    mx.random.seed(9)
+    convs = conversations(4, 256, 100) + conversations(4, 192, 100, first=600)
+    budget = 3 * PER_TOKEN * 400
+    tiers = [DiskPromptCache(str(tmp_path), budget) for _ in range(replicas)]
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.001):
+            total = 0
+            for e in os.scandir(tmp_path):
+                try:
+                    total += e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], total)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for i, (tokens, cache) in enumerate(convs):
+            shared = PromptBlocks().share("m", tokens, cache)
+            tiers[i % replicas].put("m", tokens, shared)
+        for tier in tiers:
+            tier.close()
+    finally:
+        done.set()
+        sampler.join()
+    assert 0 < peak[0] <= budget
+    assert sum(t.written + t.dropped for t in tiers) == len(convs)

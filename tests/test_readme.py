@@ -5,7 +5,8 @@ written.
 and full layers). A block preceded by ``<!-- not run: why -->`` is skipped;
 the README has few, and each says why. Shell blocks run in bash from the
 checkout's root with this interpreter first on ``PATH``; Python blocks run
-in a fresh process in a temporary directory. The README's install block
+in a fresh process in a temporary directory; both offline
+(``HF_HUB_OFFLINE=1``). The README's install block
 (``pip install ".[cpu]"``) runs in a fresh virtual environment instead, from
 a copy of the checkout: ``pip`` there is uv's (``uv pip``, from its cache
 when it has every package, as ``make venv`` installs) where uv is at hand,
@@ -129,7 +130,8 @@ def test_readme_block_runs(lang, code, why, tiny_model_dir, tmp_path):
         return install_in_fresh_venv(code, tmp_path)
     code = code.replace("<model>", str(tiny_model_dir))
     bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+    path = bin_dir + os.pathsep + os.environ["PATH"]
+    env = {**os.environ, "PATH": path, "HF_HUB_OFFLINE": "1"}  # no hub
     if lang == "sh":
         cmd, cwd = ["bash", "-e", "-o", "pipefail", "-c", code], ROOT
     else:

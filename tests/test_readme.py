@@ -70,7 +70,8 @@ def test_readme_has_the_install_block_and_no_internal_history():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 300
     assert sum(bool(INSTALL.match(code)) for _, code, *_ in blocks("README.md")) == 1
-    assert not re.search(r"(?<![\w/])#\d+|issue|session|commit [0-9a-f]{7}", text)
+    history = r"(?<![\w/])#\d+|\bissues?\b|\bsessions?\b|\bcommit [0-9a-f]{7}"
+    assert not re.search(history, text, re.I)
     later = {"docs/serving.md", "docs/hardening.md"}
     for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (ROOT / link).exists() or link in later, link

@@ -1,8 +1,19 @@
-"""python -m mlx_lm_patched status: which patches are applied, and drift."""
+"""python -m mlx_lm_patched status | demo-model.
+
+``status``: which patches are applied, and drift. ``demo-model``: the path of
+the demo model (``tiny.demo_model_dir``), trained on first use: a model that
+needs no download, for the README's quick start."""
 
 import sys
 
 import mlx_lm_patched
+
+USAGE = """usage: python -m mlx_lm_patched {status,demo-model}
+  status      which patches are applied, and whether the installed mlx-lm
+              still has the source each was written for
+  demo-model  print the demo model's directory, training it first if needed
+              (once, about 2 CPU-minutes; kept in ~/.cache/mlx_lm_patched or
+              $MLX_LM_PATCHED_HOME)"""
 
 
 def status():
@@ -23,12 +34,25 @@ def status():
     return 0 if applied == len(rows) else 1
 
 
+def demo_model():
+    """Only the path goes to stdout (training reports on stderr), so that
+    ``MODEL=$(python -m mlx_lm_patched demo-model)`` works."""
+    from mlx_lm_patched import tiny
+
+    print(tiny.demo_model_dir())
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv != ["status"]:
-        print("usage: python -m mlx_lm_patched status", file=sys.stderr)
+    commands = {"status": status, "demo-model": demo_model}
+    if argv in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(argv) != 1 or argv[0] not in commands:
+        print(USAGE, file=sys.stderr)
         return 2
-    return status()
+    return commands[argv[0]]()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import importlib
 import json
 import re
+import shlex
 import subprocess
 import sys
 
@@ -210,6 +211,29 @@ def test_demo_runs_and_finds_the_same_tokens(tiny_model_dir):
     assert re.search(r"Not counted: [1-9]\d* of the prompt's chunks", out)
 
 
+def test_demo_shows_only_steady_figures_and_a_next_command_that_runs(tiny_model_dir):
+    """Cache bytes and reallocations, not peak memory (it moves from run to
+    run by more than the difference at this size); the bounded cache ends
+    smaller than upstream's; the command it suggests runs as printed."""
+    args = ["--model", str(tiny_model_dir), "--prompt-tokens", "100"]
+    args += ["--max-tokens", "24", "--prefill-step-size", "16", "--max-kv-size", "48"]
+    lines = python("-m", "mlx_lm_patched.demo", *args).stdout.splitlines()
+    assert not [l for l in lines if l.startswith("peak memory")]
+    kib = {
+        l[:38].strip(): [int(n) for n in re.findall(r"(\d+) KiB", l)]
+        for l in lines
+        if l.startswith("cache bytes")
+    }
+    own_up, own_patched, bounded_up, bounded = kib["cache bytes at the end"]
+    assert own_up == own_patched and bounded < bounded_up
+    assert kib["cache bytes after the prompt"][3] == bounded
+    suggested = lines[lines.index(next(l for l in lines if l.startswith("Next,"))) + 1]
+    cmd = shlex.split(suggested)
+    assert cmd[:3] == ["python", "-m", "mlx_lm_patched.generate"]
+    done = python(*cmd[1:], "--max-tokens", "8")
+    assert "Generation: 8 tokens" in done.stdout
+
+
 # mlx_lm_patched.tiny, the models the tests and the demo run on.
 
 
@@ -280,6 +304,23 @@ def test_demo_model_is_trained_once(tmp_path, monkeypatch):
     assert tiny.demo_model_dir() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_demo_model_command_prints_only_the_trained_models_path(
+    tmp_path, monkeypatch, capfd
+):
+    """``python -m mlx_lm_patched demo-model``: stdout is the path alone, so
+    ``MODEL=$(python -m mlx_lm_patched demo-model)`` works, trained or not."""
+    from mlx_lm_patched import __main__ as cli
+
+    monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
+    monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
+    for _ in range(2):  # trained, then found
+        assert cli.main(["demo-model"]) == 0
+        out = capfd.readouterr().out
+        assert out == f"{tiny.demo_model_dir()}\n"
+        assert (tmp_path / out.strip() / "config.json").exists()
+    assert cli.main(["demo-modle"]) == 2
 
 
 def test_a_model_from_another_trainer_is_never_used(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ CELLS = [(m, "default") for m in MODELS] + [
 ]
 
 START_100 = (
-    "known limitation (README): a batch holds its rows in one cache, quantized "
+    "known limitation (docs/reference.md): a batch holds its rows in one cache, quantized "
     "once its longest row reaches quantized_kv_start (100), so a shorter row "
     "(55 prompt + 24 tokens, never quantized alone) is quantized early and can "
     "write other tokens than alone"

@@ -428,6 +428,8 @@ class BatchRotatingKVCache:
 
     def trim(self, n):
         name = type(self).__name__
+        if not isinstance(n, int):
+            raise ValueError(f"{name}.trim: n must be an integer, got {n!r}")
         if n < 0:
             raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
         if n and self._offset > self.max_size - self.keep:

@@ -26,6 +26,8 @@ layer count or head layout; ``prompt_cache_layout``), for ``generate
 --prompt-cache-file`` and the server's disk tier. Rings' window checkpoints
 stored after the layers (``ring_checkpoints``, ``prompt_cache_state``) go
 back on their rings, each checked against its ring (``_with_checkpoints``).
+A path that is not a regular file (a FIFO: upstream's ``mx.load`` blocks
+for good) is refused before it is opened.
 """
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -197,6 +199,16 @@ def load_prompt_cache(file_name, return_metadata=False):
         List[Any] or Tuple[List[Any], Dict[str, str]]: The prompt cache and
             the metadata if requested.
     """
+    # A FIFO or a device would block the read or never end it: not opened.
+    import os  # here: quantized_cache, a later patch, puts os in this module
+    import stat
+
+    try:
+        mode = os.stat(file_name).st_mode
+    except (OSError, TypeError, ValueError):
+        mode = None  # mx.load says what is wrong
+    if mode is not None and not stat.S_ISREG(mode):
+        raise ValueError(f"{file_name} is not a regular file")
     try:
         arrays, cache_metadata = mx.load(file_name, return_metadata=True)
     except UnicodeDecodeError as e:

@@ -109,8 +109,21 @@ class LRUPromptCache:
         bits: Optional[int] = None,
         group_size: int = 64,
     ):
-        if bits not in (None, 4, 8):
-            raise ValueError(f"LRUPromptCache: bits must be 4 or 8, got {bits}")
+        # Checked here: a bad size kept nothing, 8.0 bits failed at the first insert.
+        if type(max_size) is not int or max_size < 0:
+            raise ValueError(
+                f"LRUPromptCache: max_size must be an integer >= 0, got {max_size!r}"
+            )
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise ValueError(
+                f"LRUPromptCache: max_bytes must be an integer >= 0, got {max_bytes!r}"
+            )
+        if bits is not None and (type(bits) is not int or bits not in (4, 8)):
+            raise ValueError(f"LRUPromptCache: bits must be 4 or 8, got {bits!r}")
+        if type(group_size) is not int or group_size not in (32, 64, 128):
+            raise ValueError(
+                f"LRUPromptCache: group_size must be 32, 64 or 128, got {group_size!r}"
+            )
         self.max_size = max_size
         self.max_bytes = max_bytes
         # Entries kept quantized at rest (``KVCache`` layers), dequantized on fetch
@@ -183,6 +196,15 @@ class LRUPromptCache:
         *,
         cache_type: str = "assistant",
     ):
+        # An entry is found by its tokens: a cache holding more or fewer
+        # would be served as a prefix it is not.
+        for c in prompt_cache:
+            offset = getattr(c, "offset", None)
+            if isinstance(offset, int) and offset != len(tokens):
+                raise ValueError(
+                    f"LRUPromptCache.insert_cache: a {type(c).__name__} holding "
+                    f"{offset} tokens given for {len(tokens)} tokens"
+                )
         # Store a copy of the live tokens, not the working buffers (layers
         # cut into blocks are copied as their blocks and tail, once)
         prompt_cache = [

@@ -431,6 +431,8 @@ class _QuantizedKVCache:
             raise ValueError(f"offset {offset} is not within the {n} tokens stored")
 
     def trim(self, n):
+        if not isinstance(n, int):
+            raise ValueError(f"QuantizedKVCache.trim: n must be an integer, got {n!r}")
         if n < 0:
             raise ValueError(f"QuantizedKVCache.trim: n must be >= 0, got {n}")
         n = min(self.offset, n)

@@ -10,7 +10,9 @@ tokens after a wrap (``RotatingKVCache(..., slack=n)``, see
 ``rotating_prealloc``); here ``trim_prompt_cache`` trims such a ring when
 every layer can take ``num_tokens`` off exactly, and
 ``can_trim_prompt_cache(cache, num_tokens)`` asks whether it can. Where a
-trim cannot be exact, upstream's contract holds: 0, nothing changed.
+trim cannot be exact, upstream's contract holds: 0, nothing changed. A
+count that is not an integer (``2.5`` left a float offset behind, ``nan``
+and ``inf`` trimmed everything) raises ``ValueError``.
 """
 
 from typing import Any, List, Optional
@@ -51,6 +53,10 @@ def trim_prompt_cache(cache: List[Any], num_tokens: int) -> List[Any]:
     Returns:
         (int): The number of tokens that were trimmed.
     """
+    if not isinstance(num_tokens, int):
+        raise ValueError(
+            f"trim_prompt_cache: num_tokens must be an integer, got {num_tokens!r}"
+        )
     if not can_trim_prompt_cache(cache, num_tokens) or len(cache) == 0:
         return 0
     return [c.trim(num_tokens) for c in cache][0]

@@ -367,6 +367,8 @@ class RotatingKVCache:
 
     def trim(self, n):
         name = type(self).__name__
+        if not isinstance(n, int):
+            raise ValueError(f"{name}.trim: n must be an integer, got {n!r}")
         if n < 0:
             raise ValueError(f"{name}.trim: n must be >= 0, got {n}")
         if self.offset <= self.max_size:

@@ -45,10 +45,10 @@ with tempfile.TemporaryDirectory() as d:
     loaded = cache.load_prompt_cache(f"{d}/c.safetensors")
     result["loaded"] = loaded[0].offset == ring[0].offset
 full = cache.make_prompt_cache(model)
-tokens(prompt_cache=full)
+out = tokens(prompt_cache=full)
 cache.trim_prompt_cache(full, 2)
 store = cache.LRUPromptCache(max_size=2)
-store.insert_cache("m", prompt, full)
+store.insert_cache("m", (prompt + out)[: full[0].offset], full)
 store.fetch_nearest_cache("m", prompt + [1])
 store.trim_to(n_sequences=1)
 try:

@@ -5,7 +5,10 @@ A row the current code fails is written as it should pass and marked
 ``xfail(strict=True)`` with the reason.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx_lm.models.cache as cache_module
@@ -109,6 +112,29 @@ def test_negative_trim_of_every_cache_kind_raises_in_one_format(kind):
     raises_unchanged(cache, lambda: cache.trim(-1), ValueError, message)
 
 
+@pytest.mark.parametrize("n", [2.5, float("nan"), float("inf"), "3"])
+@pytest.mark.parametrize("kind", TRIMMING)
+def test_non_integer_trim_of_every_cache_kind_raises_naming_the_count(kind, n):
+    """Upstream: 2.5 leaves a float offset (the next model call fails in
+    rope), nan and inf take every token off."""
+    cache = every_cache_kind()[kind]
+    message = f"^{kind}.trim: n must be an integer, got {re.escape(repr(n))}$"
+    raises_unchanged(cache, lambda: cache.trim(n), ValueError, message)
+
+
+@pytest.mark.parametrize("n", [2.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache", "QuantizedKVCache"])
+def test_trim_prompt_cache_of_a_non_integer_count_raises_naming_it(kind, n):
+    cache = every_cache_kind()[kind]
+    message = f"trim_prompt_cache: num_tokens must be an integer, got {n!r}"
+    raises_unchanged(
+        cache,
+        lambda: cache_module.trim_prompt_cache([cache], n),
+        ValueError,
+        re.escape(message),
+    )
+
+
 @pytest.mark.parametrize("make", [ring, batch])
 def test_trim_of_a_wrapped_ring_raises_saying_it_wrapped(make):
     cache = make(n=20)
@@ -127,6 +153,39 @@ def test_oversized_trim_of_an_unwrapped_cache_trims_all_and_says_how_many(make):
 def test_negative_reserve_raises_naming_the_count():
     cache = quantized()
     raises_unchanged(cache, lambda: cache.reserve(-4), ValueError, "-4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"max_size": -1}, "max_size"),
+        ({"max_size": 2.0}, "max_size"),
+        ({"max_bytes": -5}, "max_bytes"),
+        ({"max_bytes": 1.5}, "max_bytes"),
+        ({"bits": 8.0}, "bits"),
+        ({"bits": 3}, "bits"),
+        ({"bits": 8, "group_size": 48}, "group_size"),
+    ],
+)
+def test_prompt_cache_of_a_bad_size_or_bits_is_refused_at_construction(kwargs, name):
+    """Upstream keeps nothing with a negative or fractional size, and fails
+    at the first insert (a ``quantize()`` TypeError) with ``bits=8.0``."""
+    with pytest.raises(ValueError, match=f"LRUPromptCache: {name} must be"):
+        cache_module.LRUPromptCache(**kwargs)
+
+
+def test_prompt_cache_refuses_a_cache_holding_other_than_its_tokens():
+    """Upstream stores a 100-token cache under 50 tokens, and a later fetch
+    serves it as that 50-token prefix."""
+    store = cache_module.LRUPromptCache()
+    cache = KVCache()
+    cache.update_and_fetch(*random_kv(1, 2, 100, 64))
+    with pytest.raises(ValueError, match="KVCache holding 100 tokens given for 50"):
+        store.insert_cache("m", list(range(50)), [cache])
+    assert len(store) == 0
+    assert store.fetch_nearest_cache("m", list(range(50)) + [7])[0] is None
+    store.insert_cache("m", list(range(100)), [cache])
+    assert len(store) == 1
 
 
 # Updates that do not fit the cache
@@ -311,6 +370,35 @@ def test_loading_a_file_cut_inside_its_length_field_raises(cache_file):
     load_unchanged(
         cache_file, ValueError, f"{re.escape(str(cache_file))}.*Unable to read"
     )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_loading_a_path_that_is_not_a_regular_file_raises_without_opening_it(
+    tmp_path, kind
+):
+    """Upstream's ``mx.load`` opens a FIFO and waits for a writer, holding
+    the GIL: the whole process freezes. Run in a subprocess, so that the
+    old code fails the test by its timeout."""
+    path = tmp_path / "c.safetensors"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    code = (
+        "import sys, mlx_lm_patched\n"
+        "from mlx_lm.models.cache import load_prompt_cache\n"
+        "try:\n"
+        "    load_prompt_cache(sys.argv[1])\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"load_prompt_cache blocked on a {kind}")
+    assert done.stdout.strip() == f"{path} is not a regular file", done.stderr
 
 
 def test_loading_a_file_that_is_not_safetensors_raises(tmp_path):

@@ -100,6 +100,12 @@ KINDS = [
 ]
 
 
+def tokens_of(cache):
+    """Tokens for ``cache``: as many as it holds (insert_cache checks)."""
+    n = getattr(cache, "offset", 3)
+    return list(range(100, 100 + n))
+
+
 def nbytes(tree):
     if isinstance(tree, mx.array):
         return tree.nbytes
@@ -111,10 +117,11 @@ def test_stored_entry_holds_exactly_the_live_tokens(patched, exact_active_memory
     mx.random.seed(0)
     cache, live, read = case(kind)
     lru = LRUPromptCache()
-    lru.insert_cache("m", [1, 2, 3], [cache])
+    tokens = tokens_of(cache)
+    lru.insert_cache("m", tokens, [cache])
     del cache
     assert lru.nbytes == nbytes(live)
-    (fetched,), rest = lru.fetch_nearest_cache("m", [1, 2, 3])
+    (fetched,), rest = lru.fetch_nearest_cache("m", tokens)
     assert rest == [] and same(read(fetched), live)
     del fetched
     # What the entry holds on its own: no view of the working buffers.
@@ -160,14 +167,15 @@ def test_writing_a_fetched_cache_leaves_the_entry_as_it_was(patched, kind):
     mx.random.seed(0)
     cache, live, read = case(kind)
     lru = LRUPromptCache()
-    lru.insert_cache("m", [1, 2, 3], [cache])
+    tokens = tokens_of(cache)
+    lru.insert_cache("m", tokens, [cache])
     # The working cache shares the entry's buffers until it is written.
-    (working,), rest = lru.fetch_nearest_cache("m", [1, 2, 3, 4])
+    (working,), rest = lru.fetch_nearest_cache("m", tokens + [4])
     assert rest == [4]
     if kind != "wrapped_ring":  # a wrapped ring cannot step back
         working.trim(2)
     fed(working, [1, 1, 5])
-    (again,), _ = lru.fetch_nearest_cache("m", [1, 2, 3])
+    (again,), _ = lru.fetch_nearest_cache("m", tokens)
     assert same(read(again), live)
 
 
@@ -188,9 +196,10 @@ def test_greedy_tokens_after_a_fetch_match_upstream(
     for side in ("upstream", "patched"):
         request.getfixturevalue(side)
         lru = LRUPromptCache()
-        _, cache = single_stream(model, prompt, 1, **kwargs)
-        lru.insert_cache("m", prompt, cache)
-        cache, rest = lru.fetch_nearest_cache("m", prompt + [5, 9])
+        # The cache holds the prompt and the token it generated
+        out, cache = single_stream(model, prompt, 1, **kwargs)
+        lru.insert_cache("m", prompt + out, cache)
+        cache, rest = lru.fetch_nearest_cache("m", prompt + out + [5, 9])
         tokens[side] = single_stream(model, rest, 8, cache=cache, **kwargs)[0]
     assert tokens["patched"] == tokens["upstream"]
 
@@ -214,10 +223,11 @@ def test_every_eviction_goes_through_evict(patched):
     for i in range(4):  # by bytes on insert
         c = KVCache()
         fed(c, [3])
-        lru.insert_cache("m", [i, i + 10], [c], cache_type=["user", "assistant"][i % 2])
-    assert list(lru.spilled) == [(0, 10), (1, 11)]
+        tokens = [i, i + 10, i + 20]
+        lru.insert_cache("m", tokens, [c], cache_type=["user", "assistant"][i % 2])
+    assert list(lru.spilled) == [(0, 10, 20), (1, 11, 21)]
     lru.trim_to(n_sequences=1)  # by count
-    assert list(lru.spilled)[2:] == [(3, 13)]  # assistant entries go first
+    assert list(lru.spilled)[2:] == [(3, 13, 23)]  # assistant entries go first
     assert [e.nbytes for e in lru.spilled.values()] == [entry] * 3
     assert len(lru) == 1 and lru.nbytes == entry
     stats = lru.stats_by_type()

@@ -272,9 +272,10 @@ def test_lru_prompt_cache_with_quantized_entries_fetches_trims_and_counts_bytes(
     before = active()
     tokens, caches = list(range(30)), [filled(30, bits=4) for _ in range(2)]
     [c.compact() for c in caches]
-    lru.insert_cache(
-        "m", tokens[:20], [c.to_kv_cache().to_quantized(64, 4) for c in caches]
-    )
+    prefixes = [c.to_kv_cache() for c in caches]
+    [c.trim(10) for c in prefixes]
+    lru.insert_cache("m", tokens[:20], [c.to_quantized(64, 4) for c in prefixes])
+    del prefixes
     lru.insert_cache("m", tokens, caches)  # its 20-token prefix is dropped
     del caches
     assert len(lru) == 1 and lru.nbytes == active() - before

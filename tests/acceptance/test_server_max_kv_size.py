@@ -1,8 +1,8 @@
 """``python -m mlx_lm_patched.server --max-kv-size 64`` on the demo model
 (a sliding layer of window 64 and a full-attention layer): every
 conversation's cache is a ring of 64 tokens, as ``generate --max-kv-size
-64`` makes it. Concurrent requests (batched) answer as ``generate`` does
-with the same ring, also with ``--kv-bits 8``; the prompt cache holds rings
+64`` makes it. Concurrent requests (batched) and a request served alone
+answer as ``generate`` does with the same ring, also with ``--kv-bits 8``; the prompt cache holds rings
 (its bytes stay under 64 tokens an entry); a repeated conversation is a
 hit, from memory and from ``--prompt-cache-dir`` after a restart.
 """
@@ -18,8 +18,10 @@ from mlx_lm_patched import tiny
 from mlx_lm_patched.server import SLACK
 
 RING = 64
-# Prompts of 150 to 260 tokens: past the ring.
+# Prompts of 172 to 277 tokens: past the ring.
 PROMPTS = [LONG, OTHER_LONG, " ".join(WORDS[100:250])]
+# Served alone (a request with a seed is not batched).
+ALONE = " ".join(WORDS[150:300])
 MAX_TOKENS = 16
 KV8 = ["--kv-bits", 8, "--quantized-kv-start", 0]
 
@@ -29,9 +31,10 @@ def demo():
     return tiny.demo_model_dir()
 
 
-def chat(server, text):
+def chat(server, text, **extra):
     """``(answer, cached tokens, prompt tokens)`` of a greedy one-message chat."""
     body = {"messages": [{"role": "user", "content": text}], "temperature": 0}
+    body.update(extra)
     status, reply = server.post(
         "/v1/chat/completions", {**body, "max_tokens": MAX_TOKENS}
     )
@@ -84,8 +87,11 @@ def test_concurrent_requests_answer_as_generate_with_the_same_ring(
         replies = chat_at_once(server, PROMPTS)
         again = chat(server, PROMPTS[0])  # logs what the first ones left
         sequences, nbytes = logged_cache(server)
+        alone = chat(server, ALONE, seed=0)
 
-    for text, (answer, cached, prompt_tokens) in zip(PROMPTS, replies):
+    for text, (answer, cached, prompt_tokens) in zip(
+        PROMPTS + [ALONE], replies + [alone]
+    ):
         assert cached == 0 and prompt_tokens > 2 * RING
         want = text_of(generate(demo, text, *flags, max_tokens=MAX_TOKENS))
         assert answer == want, server.log()

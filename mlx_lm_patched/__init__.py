@@ -46,6 +46,7 @@ from . import (
     rotating_prealloc,
     server_failures,
     server_kv_bits,
+    server_max_kv_size,
     server_prompt_cache,
     server_requests,
     speculative_bounded,
@@ -106,6 +107,7 @@ PATCHES: List[_registry.Patch] = [
     kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
     server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
     server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
+    server_max_kv_size.PATCH,  # server.py: --max-kv-size rings in _serve_single
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

@@ -4,7 +4,8 @@ Upstream's server serves every request one at a time once ``--kv-bits`` is
 given (``_is_batchable``), because ``BatchGenerator`` had no ``kv_bits``.
 With ``batch_generator_kv_bits`` it has: requests are batched as without
 ``--kv-bits``, and ``_generate`` hands the server's ``--kv-bits``,
-``--kv-group-size`` and ``--quantized-kv-start`` to its ``BatchGenerator``.
+``--kv-group-size`` and ``--quantized-kv-start`` to its ``BatchGenerator``,
+and ``--max-kv-size`` (``server_max_kv_size``).
 
 ``_generate`` also holds the prompt cache and the running batch within
 ``--prompt-cache-bytes`` after every batch step (upstream does only when a
@@ -249,6 +250,7 @@ class ResponseGenerator:
                         prefill_batch_size=self.cli_args.prompt_concurrency,
                         prefill_step_size=self.cli_args.prefill_step_size,
                         stream=generation_stream,
+                        max_kv_size=getattr(self.cli_args, "max_kv_size", None),
                         kv_bits=self.cli_args.kv_bits,
                         kv_group_size=self.cli_args.kv_group_size,
                         quantized_kv_start=self.cli_args.quantized_kv_start,

@@ -368,6 +368,13 @@ def main():
         help="Group size of --prompt-cache-bits (default: 64)",
     )
     parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        help="Tokens of cache a layer keeps for each conversation: full-attention "
+        "layers become rings of this many tokens keeping the first 4 (keep=4), "
+        "sliding-window layers keep a window no larger (default: unbounded)",
+    )
+    parser.add_argument(
         "--kv-bits",
         type=int,
         default=None,
@@ -394,6 +401,8 @@ def main():
         help="Use pipelining instead of tensor parallelism",
     )
     args = parser.parse_args()
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        parser.error(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
     _ = maybe_set_recommended_wired_limit()
 
     logging.basicConfig(

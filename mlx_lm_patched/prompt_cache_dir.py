@@ -101,6 +101,7 @@ class PromptCacheDir:
         self._unsound = set()  # (name, mtime, size) of files skipped with a warning
         self._digests = {}  # (directory, its files' stats) -> digest
         self._digest_lock = threading.Lock()  # one reader of a model's files
+        self._reading = set()  # the digests read on threads of their own
         self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
         self._pool = (0, None)  # (read_threads, the threads reading entries)
         self._lock_dir()
@@ -169,22 +170,30 @@ class PromptCacheDir:
         text = json.dumps(header, sort_keys=True).encode()
         return hashlib.sha256(text).hexdigest()[:32]
 
-    def _model_key(self, model: Any):
+    def _model_key(self, model: Any, wait: bool = True):
         """``model`` as entries name it. A server's key (model, adapter and
         draft paths) names each local directory by a digest of its files,
         so other weights at the same path are other entries; any other key
-        is its ``repr``. With a ``scope``, the key is ``(key, scope)``."""
+        is its ``repr``. With a ``scope``, the key is ``(key, scope)``.
+        With ``wait=False``, ``None`` until a digest read on a thread of
+        its own is known (a request does not wait for 16 GB of weights)."""
         if isinstance(model, tuple):
-            model = tuple(
-                self._digest(x) if isinstance(x, str) and os.path.isdir(x) else x
-                for x in model
-            )
+            parts = []
+            for x in model:
+                if isinstance(x, str) and os.path.isdir(x):
+                    x = self._digest(x, wait)
+                    if x is None:
+                        return None
+                parts.append(x)
+            model = tuple(parts)
         return repr(model if self.scope is None else (model, self.scope))
 
-    def _digest(self, directory: str):
+    def _digest(self, directory: str, wait: bool = True):
         """A digest of the names and contents of the files in ``directory``
         (weights, config, tokenizer, adapter), hashed again only where a
-        file's size, mtime, ctime or inode changed."""
+        file's size, mtime, ctime or inode changed; ``None`` if another
+        it is not known yet and ``wait`` is false (it is read on a thread).
+        """
         files = sorted(
             (e.name, e.path)
             for e in os.scandir(directory)
@@ -195,7 +204,17 @@ class PromptCacheDir:
             st = os.stat(path)
             stats.append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
         key = json.dumps([os.path.abspath(directory), stats])
-        with self._digest_lock:  # a second caller waits for the first's digest
+        if key in self._digests:
+            return self._digests[key]
+        if not wait:  # read on a thread of its own, once
+            with self._lock:
+                reading, self._reading = key in self._reading, self._reading | {key}
+            if not reading:
+                threading.Thread(
+                    target=self._digest, args=(directory,), daemon=True
+                ).start()
+            return None
+        with self._digest_lock:
             if key not in self._digests:
                 h = hashlib.sha256()
                 for (name, path), st in zip(files, stats):

@@ -95,12 +95,19 @@ class DiskPromptCache(PromptBlockDir):
     drain_seconds = 10.0
 
     def __init__(
-        self, directory: str, max_bytes: int = 1 << 63, queue_bytes: int = 1 << 30
+        self,
+        directory: str,
+        max_bytes: int = 1 << 63,
+        queue_bytes: int = 1 << 30,
+        digest_wait: bool = True,
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
         PromptBlockDir.__init__(self, directory, max_bytes)
         self.queue_bytes = queue_bytes
+        # Whether put and get wait for a model directory's digest (the
+        # server's do not: they miss until a thread has read it).
+        self.digest_wait = digest_wait
         self.queued_bytes = 0  # of the entries in _pending
         # Entries put and not written: no room in the queue or in the budget,
         # or an error writing them (warned); and entries written.
@@ -126,7 +133,9 @@ class DiskPromptCache(PromptBlockDir):
         if self._closed:
             raise ValueError("DiskPromptCache.put after close()")
         tokens = [int(t) for t in tokens]
-        model = self._model_key(model)
+        model = self._model_key(model, self.digest_wait)
+        if model is None:  # the weights' digest is being read: not written
+            return
         name = self._name(model, tokens)
         if name in self._files or name in self._pending:
             return
@@ -174,7 +183,9 @@ class DiskPromptCache(PromptBlockDir):
     def learn(self, model: Any, cache: List[Any]):
         """Take ``cache`` as what ``model``'s caches look like: an entry of
         ``model`` with other layers or head dims is a miss."""
-        self._learn(self._model_key(model), cache)
+        key = self._model_key(model, self.digest_wait)
+        if key is not None:
+            self._learn(key, cache)
 
     def _learn(self, key: str, cache: List[Any]):
         if key not in self._layouts:
@@ -320,8 +331,11 @@ class DiskPromptCache(PromptBlockDir):
         else ``None``. With ``saves(n, bytes read)``, the seconds restoring
         an entry (its file and block files) that reuses ``n`` tokens saves,
         the entry that saves the most (a shorter one, or a longer one
-        trimmed back), if one saves any."""
-        model = self._model_key(model)
+        trimmed back), if one saves any; ``None`` while the weights' digest
+        is being read."""
+        model = self._model_key(model, self.digest_wait)
+        if model is None:
+            return None
         while True:
             with self._lock:
                 options = self._options(model, tokens)

@@ -113,12 +113,14 @@ class PromptBlockDir(PromptCacheDir):
         """The block files of an entry of ``model`` and ``tokens``: per block,
         ``(name, its layers' layouts, chain digest)``; ``layers``: layer
         index -> (block count, layout)."""
-        out = []
+        out, held, prefix = [], None, ""
         for j, digest in enumerate(PromptBlocks(size).chain(model, tokens)):
-            held = [[i, lay] for i, (n, lay) in sorted(layers.items()) if n > j]
-            if not held:
+            now = [[i, lay] for i, (n, lay) in sorted(layers.items()) if n > j]
+            if not now:
                 break
-            key = json.dumps([model, held, digest.hex()]).encode()
+            if now != held:  # one list (and its JSON) while the layers held agree
+                held, prefix = now, json.dumps([model, now])[:-1]
+            key = f'{prefix}, "{digest.hex()}"]'.encode()  # json.dumps of the three
             name = hashlib.sha256(key).hexdigest()[:32] + ".block.safetensors"
             out.append((name, held, digest.hex()))
         return out
@@ -146,6 +148,7 @@ class PromptBlockDir(PromptCacheDir):
         counts = {i: (len(c.blocks), lay) for i, (c, lay) in shared.items()}
         names = self._block_names(model, tokens, size, counts)
         runs = {}  # (layer, run) -> its arrays viewed as stored, evaluated once
+        texts = {}  # id of a held list -> its JSON
         for j, (name, held, digest) in enumerate(names):
             arrays, dtypes = {}, {}
             for i, _ in held:
@@ -159,7 +162,9 @@ class PromptBlockDir(PromptCacheDir):
                 for k, dtype_name, shape, x in runs[i, id(run)]:
                     dtypes[k] = dtype_name
                     arrays[k] = _Columns(x, start, stop, shape, x.dtype)
-            meta = {"0.model": model, "0.layers": json.dumps(held), "0.chain": digest}
+            if id(held) not in texts:
+                texts[id(held)] = json.dumps(held)
+            meta = {"0.model": model, "0.layers": texts[id(held)], "0.chain": digest}
             blocks[name] = HostPromptCache(arrays, dtypes, meta)
         mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
         meta = {"size": size, "layers": {str(i): n for i, (n, _) in counts.items()}}
@@ -223,8 +228,13 @@ class PromptBlockDir(PromptCacheDir):
     def _array(self, spec: dict, data):
         """The MLX array of ``data`` (bytes read), as header ``spec`` says."""
         dtype = getattr(mx, self.dtypes[spec["dtype"]])
-        bits = data.view(f"<u{dtype.size}").reshape(spec["shape"])
-        return mx.array(bits).view(dtype)
+        return mx.array(self._host(spec, data)).view(dtype)
+
+    def _host(self, spec: dict, data):
+        """``data`` (bytes read) as header ``spec``'s shape, in unsigned
+        integers of its dtype's size (its bits, on the host)."""
+        size = getattr(mx, self.dtypes[spec["dtype"]]).size
+        return data.view(f"<u{size}").reshape(spec["shape"])
 
     @staticmethod
     def _views(state):
@@ -240,13 +250,26 @@ class PromptBlockDir(PromptCacheDir):
         ``metadata``); ``found``: block file name -> its arrays."""
         if "0.blocks" not in metadata:
             return arrays
+        import numpy as np
+
         blocks = json.loads(metadata["0.blocks"])
         files, out = blocks["files"], dict(arrays)
-        for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items():
-            for k in (f"{i}.{s}" for s in suffixes):
-                n = blocks["layers"][i]
-                parts = [found[files[j]][k] for j in range(n)] + [arrays[k]]
-                out[k] = mx.concatenate(parts, axis=2)
+
+        def host(k, n):  # a key's blocks joined on the host (threads copy)
+            parts = [found[files[j]][k] for j in range(n)]
+            if isinstance(parts[0], np.ndarray):
+                parts = [np.concatenate(parts, axis=2)]
+            return k, parts
+
+        keys = [
+            (f"{i}.{s}", blocks["layers"][i])
+            for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items()
+            for s in suffixes
+        ]
+        for k, parts in self._block_threads().map(lambda x: host(*x), keys):
+            if isinstance(parts[0], np.ndarray):  # to MLX once, on this thread
+                parts = [mx.array(parts[0]).view(arrays[k].dtype)]
+            out[k] = mx.concatenate([*parts, arrays[k]], axis=2)
         return out
 
     def _with_blocks(self, entry: tuple, header: dict, arrays: dict):
@@ -267,8 +290,6 @@ class PromptBlockDir(PromptCacheDir):
         as its entry's model, tokens and layers make it, its own header
         saying so, sealed, and holding the dtypes and shapes its entry's
         layers need. Raises ``ValueError`` naming what is wrong."""
-        from concurrent.futures import ThreadPoolExecutor
-
         meta = json.loads(header["__metadata__"]["0.blocks"])
         size, files = meta["size"], meta["files"]
         keys = self._shared_keys(header, meta["layers"])
@@ -330,13 +351,19 @@ class PromptBlockDir(PromptCacheDir):
                 os.close(fd)
             return name, arrays
 
+        found = {}  # host arrays, joined per key by _join
+        for name, arrays in self._block_threads().map(lambda x: read(*x), want):
+            found[name] = {k: self._host(*x) for k, x in arrays.items()}
+        return found
+
+    def _block_threads(self):
+        """The threads reading block files and joining them."""
+        from concurrent.futures import ThreadPoolExecutor
+
         if self._blocks_pool[0] != self.read_threads:
             pool = ThreadPoolExecutor(self.read_threads)
             self._blocks_pool = (self.read_threads, pool)
-        found = {}  # MLX arrays are made on this thread, as each file comes in
-        for name, arrays in self._blocks_pool[1].map(lambda x: read(*x), want):
-            found[name] = {k: self._array(*x) for k, x in arrays.items()}
-        return found
+        return self._blocks_pool[1]
 
     def _refs(self, name: str):
         """The block files the entry file ``name`` names (none if its header

@@ -56,7 +56,6 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         DEFAULT_QUANTIZED_KV_START,
         LRUPromptCache,
         Path,
-        Thread,
         _run_http_server,
         maybe_set_recommended_wired_limit,
     )
@@ -90,6 +89,7 @@ def run(
             str(directory),
             cli_args.prompt_cache_disk_bytes,
             cli_args.prompt_cache_queue_bytes,
+            digest_wait=False,
         )
         # Caches quantized otherwise are other entries: never served across.
         disk.scope = " ".join(
@@ -102,14 +102,12 @@ def run(
             )
         )
         prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
-        # The weights' digest (entries' model key) is read at start, not by
-        # the first request (an 8B model's 16 GB: 14 s on an H200's host).
-        default_model = (
-            cli_args.model,
-            cli_args.adapter_path,
-            getattr(cli_args, "draft_model", None),
+        # The weights' digest (entries' model key) is read on a thread from
+        # now, not by the first request (an 8B model's 16 GB: 14 s on an
+        # H200's host); requests miss the disk tier until it is known.
+        disk._model_key(
+            (cli_args.model, cli_args.adapter_path, cli_args.draft_model), wait=False
         )
-        Thread(target=disk._model_key, args=(default_model,), daemon=True).start()
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
     response_generator = ResponseGenerator(model_provider, prompt_cache)

@@ -45,6 +45,7 @@ from . import (
     ring_trim_slack,
     rotating_prealloc,
     server_failures,
+    server_http,
     server_kv_bits,
     server_prompt_cache,
     server_requests,
@@ -106,6 +107,7 @@ PATCHES: List[_registry.Patch] = [
     kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
     server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
     server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
+    server_http.PATCH,  # server.py: bursts, idle timeouts, a bounded stop
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

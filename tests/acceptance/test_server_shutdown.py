@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from harness import Server
+from harness import REPORT, Server
 
 from mlx_lm_patched import tiny
 
@@ -80,6 +80,13 @@ def test_stop_during_a_batched_prefill_ends_every_stream_and_exits_0_in_time(
             for t in threads:
                 t.join(timeout=30)
         log = server.log_path.read_text()
+        ended = sum(
+            isinstance(r, tuple) and r[1][-1:] == ["[DONE]"] for r in results.values()
+        )
+        REPORT.append(
+            f"{signal.Signals(signum).name} during a prefill (step {step}): exit "
+            f"{rc} after {took:.2f} s, {ended} of {CLIENTS} streams ended"
+        )
         assert rc == 0, log[-3000:]
         assert took <= BOUND, f"exited {took:.1f} s after the signal"
         assert "Traceback" not in log, log[-3000:]
@@ -103,6 +110,10 @@ def test_a_second_signal_exits_at_once_without_a_traceback(demo_model, tmp_path)
         for t in threads:
             t.join(timeout=30)
         log = server.log_path.read_text()
+        REPORT.append(
+            f"a second SIGTERM: exit {rc} after {took:.2f} s, "
+            f"{'a' if 'Traceback' in log else 'no'} traceback"
+        )
         assert rc in (0, 130), log[-3000:]
         assert took <= 1.0, f"exited {took:.1f} s after the second signal"
         assert "Traceback" not in log, log[-3000:]

@@ -45,6 +45,7 @@ from . import (
     ring_trim_slack,
     rotating_prealloc,
     server_failures,
+    server_http,
     server_kv_bits,
     server_max_kv_size,
     server_prompt_cache,
@@ -108,6 +109,7 @@ PATCHES: List[_registry.Patch] = [
     server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
     server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
     server_max_kv_size.PATCH,  # server.py: --max-kv-size rings in _serve_single
+    server_http.PATCH,  # server.py: bursts, idle timeouts, a bounded stop
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

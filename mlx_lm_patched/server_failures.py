@@ -19,11 +19,13 @@ a non-stream one wrote nothing until the end, so one whose client left
 generated to ``max_tokens`` (4 abandoned requests of 10**9 tokens held a
 core and slowed everyone else 12x). ``handle_completion`` now looks at the
 connection after every token and progress report of a non-stream request
-(``_client_disconnected``: a non-blocking peek) and cancels as a stream does.
+(``_client_disconnected``: a poll, then a peek) and cancels as a stream does.
+A request that cannot start because the server is stopping gets a 503.
 """
 
 import json
 import logging
+import select
 import weakref
 from typing import TYPE_CHECKING, List
 
@@ -84,10 +86,12 @@ class APIHandler:
     def _client_disconnected(self):
         """Whether the client closed its end of the connection."""
         try:
-            peek = socket.MSG_PEEK | socket.MSG_DONTWAIT
-            return self.connection.recv(1, peek) == b""
-        except BlockingIOError:
-            return False
+            # Polled first: a socket with a timeout waits that long to recv.
+            poll = select.poll()
+            poll.register(self.connection, select.POLLIN)
+            if not poll.poll(0):
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
@@ -150,7 +154,10 @@ class APIHandler:
                 progress_callback=keepalive_callback,
             )
         except Exception as e:
-            self._set_completion_headers(400 if isinstance(e, ValueError) else 404)
+            status = 400 if isinstance(e, ValueError) else 404
+            self._set_completion_headers(
+                503 if self.response_generator._stop else status
+            )
             self.end_headers()
             self.wfile.write(json.dumps({"error": str(e)}).encode())
             return
@@ -316,7 +323,7 @@ PATCH = Patch(
     "server_failures",
     "server: a failing request fails alone, with an error to its client; "
     "a non-stream request whose client left is cancelled",
-    targets("mlx_lm.server", weakref)
+    targets("mlx_lm.server", select, weakref)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
     + targets("mlx_lm.server:APIHandler", APIHandler),
 )

@@ -282,6 +282,8 @@ class ResponseGenerator:
 
                 uids_to_remove = []
                 for _ in self._time_budget:
+                    if self._stop:  # server_http: stopped at the next step
+                        break
                     prompt_responses, gen_responses = batch_generator.next()
                     # server_failures: a request whose sampler or logits
                     # processor raised gets the error and leaves the batch.

@@ -26,7 +26,7 @@ again after a restart, also after kill -9. Stopped with SIGTERM (systemd,
 docker, Kubernetes; upstream dies at once and keeps nothing) or Ctrl-C,
 the server writes the queue and what memory holds for at most
 ``DiskPromptCache.drain_seconds`` (10 s), then exits 0 (a second SIGTERM
-while it writes ends it at once).
+while it writes ends it at once: ``server_http``).
 ``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. The log gives both
 tiers' sizes before each request and which tier served how many of its
 tokens. Upstream's ``main`` builds its parser inline, so it is here whole,
@@ -35,9 +35,10 @@ with the flags added. Its size flags took upstream's ``_parse_size``, whose
 ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
 or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
 file or a directory it cannot list (``_prompt_cache_dir``).
+``--listen-backlog``, ``--max-connections`` and ``--idle-timeout`` size the
+HTTP server for bursts (``server_http``).
 """
 
-import signal
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -111,23 +112,17 @@ def run(
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
     response_generator = ResponseGenerator(model_provider, prompt_cache)
-    # Services are stopped with SIGTERM: stop as on Ctrl-C.
-    try:
-        sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    except ValueError:  # not on the main thread: no signals here
-        sigterm = None
-    try:
-        if group.rank() == 0:
-            _run_http_server(host, port, response_generator)
-        else:
-            response_generator.join()
-    finally:
-        if sigterm is not None:
-            signal.signal(signal.SIGTERM, sigterm)
+    # Stopped by SIGTERM as on Ctrl-C (server_http).
+    if group.rank() == 0:
+        _run_http_server(host, port, response_generator)
+    else:
+        response_generator.join()
     if cli_args.prompt_cache_dir is not None:
         # Stopped: what is queued and what memory holds are written, in a
-        # bounded time.
-        prompt_cache.trim_to(n_sequences=0)
+        # bounded time (memory's only once the generation thread is done
+        # with it: its entries are queued as they are made).
+        if not response_generator._generation_thread.is_alive():
+            prompt_cache.trim_to(n_sequences=0)
         logging.info(
             f"Prompt cache: writing {disk.queued} entries "
             f"({disk.queued_bytes} B) to {directory}, for at most "
@@ -398,9 +393,33 @@ def main():
         action="store_true",
         help="Use pipelining instead of tensor parallelism",
     )
+    parser.add_argument(
+        "--listen-backlog",
+        type=int,
+        default=1024,
+        help="Connections the kernel holds until the server accepts them "
+        "(default: 1024)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        help="Connections served at once, each by a thread; more get a 503 "
+        "(default: 256)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds a connection may send nothing before it is closed "
+        "(default: 60)",
+    )
     args = parser.parse_args()
     if args.max_kv_size is not None and args.max_kv_size < 1:
         parser.error(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
+    for flag in ("listen_backlog", "max_connections", "idle_timeout"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     _ = maybe_set_recommended_wired_limit()
 
     logging.basicConfig(
@@ -417,7 +436,7 @@ PATCH = Patch(
     "drained on SIGTERM and Ctrl-C; the log shows both tiers; "
     "--prompt-cache-bits keeps them quantized at rest; bad sizes and "
     "directories are one-line errors",
-    targets("mlx_lm.server", signal, run, main, _parse_byte_size, _prompt_cache_dir)
+    targets("mlx_lm.server", run, main, _parse_byte_size, _prompt_cache_dir)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",

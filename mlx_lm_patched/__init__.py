@@ -47,6 +47,7 @@ from . import (
     server_failures,
     server_kv_bits,
     server_max_kv_size,
+    server_models,
     server_prompt_cache,
     server_requests,
     speculative_bounded,
@@ -108,6 +109,7 @@ PATCHES: List[_registry.Patch] = [
     server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
     server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
     server_max_kv_size.PATCH,  # server.py: --max-kv-size rings in _serve_single
+    server_models.PATCH,  # server.py: /v1/models without a hub cache
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

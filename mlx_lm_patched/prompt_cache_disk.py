@@ -43,8 +43,9 @@ write), and, where memory holds less of a prompt than the disk tier, serves
 it from there, if reading it is expected to be faster than prefilling what it
 saves (measured restores against measured prefills): on a GPU, a prefill can
 beat the disk (issue #27: 0.96 s of prefill against a 3.31 s restore of a
-16k-token Llama-8B-shape prefix). Each fetch logs which tier served how many
-tokens.
+16k-token Llama-8B-shape prefix). An entry served from disk is kept in
+memory too, so a repeat is a memory hit. Each fetch logs which tier served
+how many tokens (a disk hit, how many memory had).
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -93,11 +94,15 @@ class DiskPromptCache(PromptBlockDir):
     drain_seconds = 10.0
 
     def __init__(
-        self, directory: str, max_bytes: int = 1 << 63, queue_bytes: int = 1 << 30
+        self,
+        directory: str,
+        max_bytes: int = 1 << 63,
+        queue_bytes: int = 1 << 30,
+        mode: int = 0o600,
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
-        PromptBlockDir.__init__(self, directory, max_bytes)
+        PromptBlockDir.__init__(self, directory, max_bytes, mode)
         self.queue_bytes = queue_bytes
         self.queued_bytes = 0  # of the entries in _pending
         self.dropped = 0  # entries not queued: the queue was full
@@ -197,7 +202,8 @@ class DiskPromptCache(PromptBlockDir):
         path = os.path.join(self.directory, name)
         temp = f"{path}.{os.getpid()}-{id(self):x}.tmp"
         blocks = self._block_temps(state.blocks)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(temp, flags, self.mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # not stale while it is written
             while True:
@@ -447,9 +453,13 @@ class DiskLRUPromptCache(LRUPromptCache):
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")
                 found = None
             if found is not None:
+                # Kept in memory too: a repeat is a memory hit.
+                n = len(tokens) - len(found[1])
+                LRUPromptCache.insert_cache(self, model, tokens[:n], found[0])
                 cache, rest, tier = self._working(found[0]), found[1], "disk hit"
         n = len(tokens) - len(rest)
-        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens")
+        had = f" (memory had {cached})" if tier == "disk hit" else ""
+        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):

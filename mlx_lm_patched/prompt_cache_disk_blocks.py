@@ -60,10 +60,10 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 
-    def __init__(self, directory: str, max_bytes: int = 1 << 63):
+    def __init__(self, directory: str, max_bytes: int = 1 << 63, mode: int = 0o600):
         self._refs_seen = {}  # entry name -> ((inode, ctime), the block files it names)
         self._blocks_pool = (0, None)  # (read_threads, threads reading block files)
-        PromptCacheDir.__init__(self, directory, max_bytes)
+        PromptCacheDir.__init__(self, directory, max_bytes, mode)
 
     @staticmethod
     def _shared_keys(keys, layers) -> Dict[str, List[str]]:
@@ -162,7 +162,8 @@ class PromptBlockDir(PromptCacheDir):
         """``(temp, fd)``: ``host`` saved to a new temporary file beside
         ``path``, locked while open (so no scan takes it for stale)."""
         temp = f"{path}.{os.getpid()}-{id(self):x}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(temp, flags, self.mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             host.save(temp)

@@ -48,6 +48,7 @@ from . import (
     server_http,
     server_kv_bits,
     server_max_kv_size,
+    server_models,
     server_prompt_cache,
     server_requests,
     speculative_bounded,
@@ -110,6 +111,7 @@ PATCHES: List[_registry.Patch] = [
     server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
     server_max_kv_size.PATCH,  # server.py: --max-kv-size rings in _serve_single
     server_http.PATCH,  # server.py: bursts, idle timeouts, a bounded stop
+    server_models.PATCH,  # server.py: /v1/models without a hub cache
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)

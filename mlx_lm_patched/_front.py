@@ -9,6 +9,45 @@ from mlx_lm_patched import apply
 # Upstream's default --quantized-kv-start (mlx_lm.generate).
 QUANTIZED_KV_START = 5000
 
+# What each front is, for its --help (the server's: server_prompt_cache.main).
+DESCRIPTIONS = {
+    "generate": "Generate text with an MLX model: mlx-lm's generate with "
+    "mlx-lm-patched's KV caches.",
+    "chat": "Chat with an MLX model in the terminal: mlx-lm's chat with "
+    "mlx-lm-patched's KV caches.",
+    "cache_prompt": "Cache the state of a prompt in a file, to be reused with "
+    "mlx_lm_patched.generate --prompt-cache-file: mlx-lm's cache_prompt with "
+    "mlx-lm-patched's KV caches.",
+    "benchmark": "Measure prompt and generation speed of an MLX model: "
+    "mlx-lm's benchmark with mlx-lm-patched's KV caches.",
+}
+# What a flag does here, where upstream's help says otherwise or less.
+HELP = {
+    "--max-kv-size": "Tokens of cache a layer keeps: full-attention layers "
+    "become rings of this many tokens that keep the first 4 "
+    "(RotatingKVCache(N, keep=4)), sliding-window layers a window no larger; "
+    "every model (default: none, unbounded)",
+    "--kv-bits": "Bits of the quantized KV cache: 2, 3, 4, 5, 6 or 8, from "
+    "--quantized-kv-start on; every cache, rings included; a value it cannot "
+    "take is an error before the first token (default: none, full precision)",
+    "--kv-group-size": "Group size of --kv-bits: 32, 64 or 128 (default: 64)",
+    "--quantized-kv-start": "With --kv-bits, quantize a cache once it holds "
+    "this many tokens; 0 quantizes from the first token "
+    f"(default: {QUANTIZED_KV_START})",
+    "--prompt-cache-file": "A prompt cache file made by "
+    "mlx_lm_patched.cache_prompt: its prompt is not computed again, --prompt "
+    "continues it; a file it cannot use is a one-line error",
+    "--draft-model": "A model to be used for speculative decoding; works "
+    "with --max-kv-size and sliding-window models, same tokens as without it",
+}
+# Where one front's flag does something else.
+FRONT_HELP = {
+    "cache_prompt": {
+        "--prompt-cache-file": "The file to save the prompt cache in, for "
+        "mlx_lm_patched.generate --prompt-cache-file",
+    },
+}
+
 
 def preflight(prog, argv):
     """Checks upstream makes late or not at all: a missing file ends in one
@@ -47,14 +86,41 @@ def preflight(prog, argv):
         )
 
 
+def described(setup_arg_parser, name):
+    """``setup_arg_parser`` (upstream's), its parser's help saying what this
+    front is and does (``DESCRIPTIONS``, ``HELP``) and every default."""
+
+    def ours():
+        parser = setup_arg_parser()
+        parser.description = DESCRIPTIONS.get(name, parser.description)
+        helps = {**HELP, **FRONT_HELP.get(name, {})}
+        for action in parser._actions:
+            for flag in action.option_strings:
+                action.help = helps.get(flag, action.help)
+            default = action.default  # none, off or empty: not shown
+            if default is None or default is False or default is argparse.SUPPRESS:
+                continue
+            if isinstance(default, (str, list, tuple)) and not default:
+                continue
+            if action.help and "default" not in action.help.lower():
+                action.help += " (default: %(default)s)"
+        return parser
+
+    return ours
+
+
 def run(upstream_main, name):
     """Apply the patches, then run ``upstream_main`` as ``mlx_lm_patched.<name>``
-    (the program name its help and errors print); bad input (a missing file,
-    a ``ValueError``: a flag, a cache file) ends in one line on stderr and exit
-    status 1, not a traceback."""
+    (the program name its help and errors print; its help ``described``); bad
+    input (a missing file, a ``ValueError``: a flag, a cache file) ends in one
+    line on stderr and exit status 1, not a traceback."""
     prog = sys.argv[0] = f"mlx_lm_patched.{name}"
     preflight(prog, sys.argv[1:])
     apply()
+    module = sys.modules[upstream_main.__module__]
+    setup = getattr(module, "setup_arg_parser", None)
+    if setup is not None:  # the server's parser is server_prompt_cache's
+        module.setup_arg_parser = described(setup, name)
     try:
         upstream_main()
     except ValueError as e:
@@ -63,3 +129,6 @@ def run(upstream_main, name):
         if not str(e).startswith("[load"):
             raise
         sys.exit(f"{prog}: error: {e}")  # MLX could not read a file
+    finally:
+        if setup is not None:
+            module.setup_arg_parser = setup

@@ -45,7 +45,9 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 # Written as it reads in mlx_lm/models/cache.py, and run there.
 class PromptCacheDir:
     """Entry files in ``directory``, at most ``max_bytes`` of them, counted
-    under an ``flock`` of the directory (see the module)."""
+    under an ``flock`` of the directory (see the module). Files are written
+    with ``mode`` (0600: the cached prompts are their users'), a directory
+    made with x where ``mode`` has r (0700); both less the umask."""
 
     # Bytes of header a scan reads at most (a 1M-token prompt takes ~8 MB).
     header_limit = 64 << 20
@@ -76,11 +78,12 @@ class PromptCacheDir:
         "F32": "float32", "F64": "float64",
     }  # fmt: skip
 
-    def __init__(self, directory: str, max_bytes: int = 1 << 63):
+    def __init__(self, directory: str, max_bytes: int = 1 << 63, mode: int = 0o600):
         if not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
+        self.mode = mode  # of the files written; a directory made: x where r
         try:
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(directory, mode | (mode & 0o444) >> 2, exist_ok=True)
             # Locked while the directory's files are counted and removed.
             self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:

@@ -46,8 +46,9 @@ write), and, where memory holds less of a prompt than the disk tier, serves
 it from there, if reading it is expected to be faster than prefilling what it
 saves (measured restores against measured prefills): on a GPU, a prefill can
 beat the disk (issue #27: 0.96 s of prefill against a 3.31 s restore of a
-16k-token Llama-8B-shape prefix). Each fetch logs which tier served how many
-tokens.
+16k-token Llama-8B-shape prefix). An entry served from disk is kept in
+memory too, so a repeat is a memory hit. Each fetch logs which tier served
+how many tokens (a disk hit, how many memory had).
 """
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -99,11 +100,12 @@ class DiskPromptCache(PromptBlockDir):
         directory: str,
         max_bytes: int = 1 << 63,
         queue_bytes: int = 1 << 30,
+        mode: int = 0o600,
         digest_wait: bool = True,
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
-        PromptBlockDir.__init__(self, directory, max_bytes)
+        PromptBlockDir.__init__(self, directory, max_bytes, mode)
         self.queue_bytes = queue_bytes
         # Whether put and get wait for a model directory's digest (the
         # server's do not: they miss until a thread has read it).
@@ -492,9 +494,13 @@ class DiskLRUPromptCache(LRUPromptCache):
                 logging.warning(f"[prompt cache] disk tier failed: {e!r}")
                 found = None
             if found is not None:
+                # Kept in memory too: a repeat is a memory hit.
+                n = len(tokens) - len(found[1])
+                LRUPromptCache.insert_cache(self, model, tokens[:n], found[0])
                 cache, rest, tier = self._working(found[0]), found[1], "disk hit"
         n = len(tokens) - len(rest)
-        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens")
+        had = f" (memory had {cached})" if tier == "disk hit" else ""
+        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):

@@ -86,10 +86,10 @@ class _Columns:
 class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 
-    def __init__(self, directory: str, max_bytes: int = 1 << 63):
+    def __init__(self, directory: str, max_bytes: int = 1 << 63, mode: int = 0o600):
         self._refs_seen = {}  # entry name -> ((inode, ctime), the block files it names)
         self._blocks_pool = (0, None)  # (read_threads, threads reading block files)
-        PromptCacheDir.__init__(self, directory, max_bytes)
+        PromptCacheDir.__init__(self, directory, max_bytes, mode)
 
     @staticmethod
     def _shared_keys(keys, layers) -> Dict[str, List[str]]:
@@ -178,7 +178,8 @@ class PromptBlockDir(PromptCacheDir):
         the block files the entry written names). Called with the directory
         locked."""
         temp = os.path.join(self.directory, f"{name}.{os.getpid()}-{id(self):x}.tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(temp, flags, self.mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             while True:

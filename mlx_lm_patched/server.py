@@ -52,6 +52,11 @@ def checked_main():
 
     from mlx_lm_patched import _registry
 
+    # A prompt past the tokenizer's model_max_length is no "indexing error"
+    # here (rotary positions; --max-kv-size rings): no such warning.
+    logging.getLogger("transformers.tokenization_utils_base").addFilter(
+        lambda record: "indexing errors" not in record.getMessage()
+    )
     RotatingKVCache.slack = SLACK
     if _registry.is_applied("prompt_cache_checkpoints"):
         RotatingKVCache.checkpoint_every = CHECKPOINT_EVERY

@@ -27,9 +27,13 @@ docker, Kubernetes; upstream dies at once and keeps nothing) or Ctrl-C,
 the server writes the queue and what memory holds for at most
 ``DiskPromptCache.drain_seconds`` (10 s), then exits 0 (a second SIGTERM
 while it writes ends it at once: ``server_http``).
-``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. The log gives both
-tiers' sizes before each request and which tier served how many of its
-tokens. Upstream's ``main`` builds its parser inline, so it is here whole,
+``--prompt-cache-disk-bytes`` (default 16G) bounds DIR. Its files hold the
+keys and values of users' prompts: written ``0600``, a directory made
+``0700`` (``--prompt-cache-mode``, for replicas of one group: ``660``;
+before, ``os.open`` without a mode made them ``0755``). At start the
+log gives the disk entries found (count, bytes) and the budgets in force;
+then both tiers' sizes before each request and which tier served how many
+of its tokens. Upstream's ``main`` builds its parser inline, so it is here whole,
 with the flags added. Its size flags took upstream's ``_parse_size``, whose
 ``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
 ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
@@ -90,6 +94,7 @@ def run(
             str(directory),
             cli_args.prompt_cache_disk_bytes,
             cli_args.prompt_cache_queue_bytes,
+            getattr(cli_args, "prompt_cache_mode", 0o600),
             digest_wait=False,
         )
         # Caches quantized otherwise are other entries: never served across.
@@ -111,6 +116,20 @@ def run(
         )
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
+    # What the server starts with, and the budgets it holds.
+    held = f"{cli_args.prompt_cache_size} entries"
+    if cli_args.prompt_cache_bytes is not None:
+        held += f", {cli_args.prompt_cache_bytes} B with the running batch"
+    line = f"Prompt cache: memory holds at most {held}"
+    if cli_args.prompt_cache_dir is not None:
+        line += (
+            f"; disk: {len(disk)} entries ({disk.nbytes} B) found in "
+            f"{directory}, holds at most {disk.max_bytes} B, queues at most "
+            f"{disk.queue_bytes} B"
+        )
+    if getattr(cli_args, "max_kv_size", None) is not None:
+        line += f"; caches are rings of {cli_args.max_kv_size} tokens"
+    logging.info(line)
     response_generator = ResponseGenerator(model_provider, prompt_cache)
     # Stopped by SIGTERM as on Ctrl-C (server_http).
     if group.rank() == 0:
@@ -139,6 +158,20 @@ def run(
         )
 
 
+def _file_mode(x: str) -> int:
+    """Permission bits in octal (``600``, ``660``), the owner's rw among them."""
+    try:
+        mode = int(x, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+        raise argparse.ArgumentTypeError(
+            f"{x!r} is not a file mode: octal, readable and writable by the "
+            "owner (600, 640, 660)"
+        )
+    return mode
+
+
 def _parse_byte_size(x: str) -> int:
     """Bytes from ``4096``, ``10K``, ``4M``, ``2.5G``, ``1T``: powers of 1000
     as in upstream's ``_parse_size`` (``KB``, ``MB``, ... too), ``KiB``,
@@ -158,11 +191,12 @@ def _parse_byte_size(x: str) -> int:
     return int(whole or 0) * scale + int(frac or 0) * scale // 10 ** len(frac)
 
 
-def _prompt_cache_dir(x: str) -> str:
-    """``x``, a directory the prompt cache can list (made if missing)."""
+def _prompt_cache_dir(x: str, mode: int = 0o600) -> str:
+    """``x``, a directory the prompt cache can list (made if missing, with x
+    where ``mode``, its files', has r)."""
     try:
         path = Path(x)
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode | (mode & 0o444) >> 2, parents=True, exist_ok=True)
         if not path.is_dir():
             raise NotADirectoryError(20, "Not a directory")
         next(path.iterdir(), None)
@@ -197,7 +231,11 @@ class ResponseGenerator:
 
 
 def main():
-    parser = argparse.ArgumentParser(description="MLX Http Server.")
+    parser = argparse.ArgumentParser(
+        description="%(prog)s: an OpenAI-compatible HTTP server for MLX models "
+        "(mlx-lm's, with mlx-lm-patched's caches): batched requests, a prompt "
+        "cache in memory and, with --prompt-cache-dir, on disk."
+    )
     parser.add_argument(
         "--model",
         type=str,
@@ -229,13 +267,16 @@ def main():
     parser.add_argument(
         "--draft-model",
         type=str,
-        help="A model to be used for speculative decoding.",
+        help="A model to be used for speculative decoding (requests are then "
+        "served one at a time); works with --max-kv-size and sliding-window "
+        "models",
         default=None,
     )
     parser.add_argument(
         "--num-draft-tokens",
         type=int,
-        help="Number of tokens to draft when using speculative decoding.",
+        help="Number of tokens to draft when using speculative decoding "
+        "(default: 3)",
         default=3,
     )
     parser.add_argument(
@@ -302,13 +343,15 @@ def main():
         "--decode-concurrency",
         type=int,
         default=32,
-        help="When a request is batchable then decode that many requests in parallel",
+        help="When a request is batchable then decode that many requests in "
+        "parallel (default: 32)",
     )
     parser.add_argument(
         "--prompt-concurrency",
         type=int,
         default=8,
-        help="When a request is batchable then process that many prompts in parallel",
+        help="When a request is batchable then process that many prompts in "
+        "parallel (default: 8)",
     )
     parser.add_argument(
         "--prefill-step-size",
@@ -320,38 +363,55 @@ def main():
         "--prompt-cache-size",
         type=int,
         default=10,
-        help="Maximum number of distinct KV caches to hold in the prompt cache",
+        help="Maximum number of distinct KV caches to hold in the prompt "
+        "cache in memory (default: 10)",
     )
     parser.add_argument(
         "--prompt-cache-bytes",
         type=_parse_byte_size,
-        help="Maximum size in bytes of the KV caches",
+        help="Maximum size of the prompt cache in memory plus the running "
+        "batch's caches, held after every insert and batch step: bytes, or "
+        "with a unit: 500M, 2G, 1.5G, 4GiB (default: no limit)",
     )
     parser.add_argument(
         "--prompt-cache-dir",
-        type=_prompt_cache_dir,
-        help="Directory where the prompt cache keeps what it evicts from memory; "
-        "entries are found again after a restart",
+        help="Directory for a disk tier of the prompt cache (made if missing): "
+        "every entry is written there as it is made, by a background thread, "
+        "served from there where memory holds less of a prompt, and found "
+        "again after a restart (default: none, memory only)",
     )
     parser.add_argument(
         "--prompt-cache-disk-bytes",
         type=_parse_byte_size,
         default="16G",
-        help="Maximum size in bytes of the --prompt-cache-dir files (default: 16G)",
+        help="Maximum size of the --prompt-cache-dir files, oldest removed "
+        "first: bytes, or 500M, 16G... (default: 16G)",
     )
     parser.add_argument(
         "--prompt-cache-queue-bytes",
         type=_parse_byte_size,
         default="1G",
-        help="Maximum size in bytes of the prompt caches waiting to be written "
-        "to --prompt-cache-dir; more are not written (default: 1G)",
+        help="Maximum size of the prompt caches waiting to be written "
+        "to --prompt-cache-dir; more are not written, and the log counts "
+        "them (default: 1G)",
+    )
+    parser.add_argument(
+        "--prompt-cache-mode",
+        type=_file_mode,
+        default="600",
+        help="Permissions of the files written to --prompt-cache-dir, in "
+        "octal, less the umask; a directory made gets x where they have r. "
+        "The files hold the keys and values of users' prompts: the default "
+        "is the owner only (default: 600, directories 700); replicas running "
+        "as users of one group share a directory with 660 (and umask 007)",
     )
     parser.add_argument(
         "--prompt-cache-bits",
         type=int,
         choices=[4, 8],
         help="Keep prompt cache entries quantized to 4 or 8 bits at rest, in "
-        "memory and on disk; requests still compute at their own precision",
+        "memory and on disk; requests still compute at their own precision "
+        "(default: none, entries as the requests' caches)",
     )
     parser.add_argument(
         "--prompt-cache-group-size",
@@ -363,17 +423,19 @@ def main():
     parser.add_argument(
         "--max-kv-size",
         type=int,
-        help="Tokens of cache a layer keeps for each conversation: full-attention "
-        "layers become rings of this many tokens keeping the first 4 (keep=4), "
-        "sliding-window layers keep a window no larger (default: unbounded)",
+        help="Tokens of cache a layer keeps for each conversation: "
+        "full-attention layers become rings of this many tokens that keep the "
+        "first 4 (RotatingKVCache(N, keep=4)), sliding-window layers a window "
+        "no larger; the prompt cache holds the rings (default: none, "
+        "unbounded)",
     )
     parser.add_argument(
         "--kv-bits",
         type=int,
         default=None,
-        help="Number of bits for KV cache quantization (e.g., 4 or 8). "
-        "Reduces memory usage for long contexts; requests are still batched. "
-        "Default: None (full precision)",
+        help="Bits of the quantized KV cache: 2, 3, 4, 5, 6 or 8, from "
+        "--quantized-kv-start on; every cache, rings included; requests are "
+        "still batched (default: none, full precision)",
     )
     parser.add_argument(
         "--kv-group-size",
@@ -385,7 +447,8 @@ def main():
         "--quantized-kv-start",
         type=int,
         default=DEFAULT_QUANTIZED_KV_START,
-        help="Token position to start KV cache quantization "
+        help="With --kv-bits, quantize a cache once it holds this many "
+        "tokens; 0 quantizes from the first token "
         f"(default: {DEFAULT_QUANTIZED_KV_START})",
     )
     parser.add_argument(
@@ -420,6 +483,11 @@ def main():
     for flag in ("listen_backlog", "max_connections", "idle_timeout"):
         if not getattr(args, flag) > 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.prompt_cache_dir is not None:
+        try:  # made with the mode, known only now
+            _prompt_cache_dir(args.prompt_cache_dir, args.prompt_cache_mode)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument --prompt-cache-dir: {e}")
     _ = maybe_set_recommended_wired_limit()
 
     logging.basicConfig(
@@ -434,9 +502,11 @@ PATCH = Patch(
     "server: --prompt-cache-bytes holds on every insert and after every batch "
     "step; --prompt-cache-dir writes prompt caches to disk as they are made, "
     "drained on SIGTERM and Ctrl-C; the log shows both tiers; "
-    "--prompt-cache-bits keeps them quantized at rest; bad sizes and "
+    "--prompt-cache-bits keeps them quantized at rest; files 0600 "
+    "(--prompt-cache-mode); a start-up line with the entries found and the "
+    "budgets; bad sizes and "
     "directories are one-line errors",
-    targets("mlx_lm.server", run, main, _parse_byte_size, _prompt_cache_dir)
+    targets("mlx_lm.server", run, main, _file_mode, _parse_byte_size, _prompt_cache_dir)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",

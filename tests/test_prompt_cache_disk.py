@@ -751,7 +751,8 @@ def test_a_replica_finds_what_another_wrote_after_it_started(load_tiny, tmp_path
     from mlx_lm.models.cache import DiskLRUPromptCache
 
     model, _ = load_tiny("llama")
-    reader = DiskLRUPromptCache(disk(tmp_path), max_size=1)
+    # Memory keeps nothing (a disk hit stays there too): every fetch asks disk.
+    reader = DiskLRUPromptCache(disk(tmp_path), max_size=0)
     assert reader.fetch_nearest_cache(MODEL, PROMPT + EXTRA) == (None, PROMPT + EXTRA)
     written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
 

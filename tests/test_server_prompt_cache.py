@@ -152,3 +152,89 @@ def test_prompt_cache_bits_reach_the_prompt_cache_and_bad_bits_are_refused(
     with pytest.raises(SystemExit):
         server.main()
     assert "--prompt-cache-bits: invalid choice: 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640])
+def test_disk_tier_files_and_directory_get_the_prompt_cache_mode(
+    patched, load_tiny, tmp_path, mode
+):
+    """Entry files are written with ``mode`` (default 0600: they
+    hold users' prompts), a directory made with x where it has r."""
+    import os
+    import stat
+
+    from mlx_lm.models.cache import DiskPromptCache, make_prompt_cache
+
+    model, _ = load_tiny("llama")
+    cache = make_prompt_cache(model)
+    model(mx.arange(100)[None], cache=cache)
+    directory = tmp_path / "made" / "cache"
+    umask = os.umask(0o022)
+    try:
+        kwargs = {} if mode == 0o600 else {"mode": mode}
+        disk = DiskPromptCache(str(directory), **kwargs)
+        disk.put(("tiny", None, None), list(range(100)), cache)
+        disk.close()
+    finally:
+        os.umask(umask)
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()}
+    assert os.listdir(directory) and modes == {mode}
+    assert stat.S_IMODE(directory.stat().st_mode) == mode | (mode & 0o444) >> 2
+
+
+@pytest.mark.parametrize("value", ["640", "abc", "400", "1777"])
+def test_prompt_cache_mode_is_octal_and_the_owners(
+    patched, monkeypatch, tmp_path, capsys, value
+):
+    from mlx_lm import server
+
+    ran = []
+    monkeypatch.setattr(
+        server, "run", lambda host, port, provider: ran.append(provider)
+    )
+    monkeypatch.setattr(server, "ModelProvider", lambda args: args)
+    directory = tmp_path / "cache"
+    flags = ["--prompt-cache-dir", str(directory), "--prompt-cache-mode", value]
+    monkeypatch.setattr("sys.argv", ["mlx_lm.server", *flags])
+    if value != "640":
+        with pytest.raises(SystemExit):
+            server.main()
+        assert "is not a file mode" in capsys.readouterr().err
+        return
+    server.main()
+    (args,) = ran
+    assert args.prompt_cache_mode == 0o640
+    assert (directory.stat().st_mode & 0o777) == 0o750
+
+
+def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
+    patched, load_tiny, tmp_path, caplog
+):
+    """After a restart, the first fetch of a prompt reads it from disk; the
+    next is served from memory (it was read from disk every time), and the
+    log says which tier served it."""
+    from mlx_lm.models.cache import (
+        DiskLRUPromptCache,
+        DiskPromptCache,
+        make_prompt_cache,
+    )
+
+    model, _ = load_tiny("llama")
+    cache = make_prompt_cache(model)
+    model(mx.arange(40)[None], cache=cache)
+    key, tokens = ("tiny", None, None), list(range(40))
+    before = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    before.insert_cache(key, tokens, cache)
+    before.disk.close()
+
+    restarted = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            fetched, rest = restarted.fetch_nearest_cache(key, tokens + [99])
+            assert rest == [99] and fetched[0].offset == 40
+    restarted.disk.close()
+    tiers = [r.getMessage() for r in caplog.records if "Prompt cache" in r.getMessage()]
+    assert tiers == [
+        "Prompt cache disk hit: 40 of 41 tokens (memory had 0)",
+        "Prompt cache memory hit: 40 of 41 tokens",
+    ]

@@ -102,7 +102,7 @@ class PromptCacheDir:
         self._n_bytes = 0  # every entry file in the directory, at the last count
         self._looked = (None, 0.0)  # the directory's mtime, when, at the last look
         self._unsound = set()  # (name, mtime, size) of files skipped with a warning
-        self._digests = {}  # (directory, its files' stats) -> digest
+        self._digests = self._known_digests()  # (directory, files' stats) -> digest
         self._digest_lock = threading.Lock()  # one reader of a model's files
         self._reading = set()  # the digests read on threads of their own
         self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
@@ -225,7 +225,48 @@ class PromptCacheDir:
                     with open(path, "rb") as f:
                         h.update(hashlib.file_digest(f, "sha256").digest())
                 self._digests[key] = "sha256:" + h.hexdigest()[:32]
+                self._keep_digests()
         return self._digests[key]
+
+    # The digests read, by the files' stats: a restart does not read the
+    # weights again (16 GB for an 8B model) while their stats are the same.
+    digests_file = ".model-digests.json"
+
+    def _known_digests(self) -> dict:
+        """The digests ``digests_file`` holds ({} if it is not a regular
+        file holding them)."""
+        path = os.path.join(self.directory, self.digests_file)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return {}
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}
+            with os.fdopen(os.dup(fd), "rb") as f:
+                known = json.loads(f.read(1 << 20))
+            ok = isinstance(known, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in known.items()
+            )
+            return known if ok else {}
+        except (OSError, ValueError):
+            return {}
+        finally:
+            os.close(fd)
+
+    def _keep_digests(self):
+        """Write the digests read to ``digests_file`` (best effort)."""
+        path = os.path.join(self.directory, self.digests_file)
+        temp = f"{path}.{os.getpid()}-{id(self):x}"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            with os.fdopen(os.open(temp, flags, self.mode), "w") as f:
+                json.dump(self._digests, f)
+            os.replace(temp, path)
+        except OSError as e:
+            logging.warning(f"[prompt cache] could not write {path}: {e!r}")
+            if os.path.lexists(temp):
+                os.remove(temp)
 
     def _lock_dir(self):
         self._dir_lock.acquire()
@@ -248,6 +289,8 @@ class PromptCacheDir:
                     continue
                 if self._is_block(e.name):
                     continue  # counted by _shrink, read with its entries
+                if e.name.startswith(self.digests_file):
+                    continue  # the model digests known (and one being written)
                 if not stat.S_ISREG(st.st_mode):
                     raise ValueError("not a regular file")
                 if not self._is_entry(e.name):

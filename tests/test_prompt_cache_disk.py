@@ -6,9 +6,12 @@ queues what memory stores (write-behind) and reads it back where upstream's
 ``LRUPromptCache`` has nothing."""
 
 import copy
+import hashlib
 import json
 import logging
 import os
+import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -1053,3 +1056,39 @@ def test_an_entry_file_of_another_kind_is_a_miss_and_written_again(
     assert "could not write" not in caplog.text
     assert os.path.isfile(tmp_path / name) and not os.path.islink(tmp_path / name)
     assert disk(tmp_path).get(MODEL, tokens + EXTRA)[1] == EXTRA
+
+
+def test_a_servers_tier_never_waits_for_the_weights_digest_and_keeps_it(
+    make_tiny_dir, tmp_path, monkeypatch
+):
+    """With ``digest_wait=False`` (the server's) a put or get before the
+    model directory's digest is known returns at once, writing and serving
+    nothing; the digest read is kept in the directory, so a restarted tier
+    knows it without reading the weights again."""
+    from mlx_lm.utils import load
+
+    model_dir = make_tiny_dir("llama")
+    key = (str(model_dir), None, None)
+    model, _ = load(str(model_dir))
+    tier = disk(tmp_path, digest_wait=False)
+    reading = threading.Event()
+    original = tier._digest
+
+    def slow(directory, wait=True):  # the thread reading the weights, held
+        if wait:
+            reading.wait(30)
+        return original(directory, wait)
+
+    monkeypatch.setattr(tier, "_digest", slow)
+    tier.put(key, PROMPT, prefilled(model, PROMPT))
+    assert tier.get(key, PROMPT + EXTRA) is None and tier.queued == 0
+    reading.set()
+    while tier._model_key(key, wait=False) is None:
+        time.sleep(0.01)
+    tier.put(key, PROMPT, prefilled(model, PROMPT))
+    tier.close()
+
+    restarted = disk(tmp_path, digest_wait=False)
+    monkeypatch.setattr(hashlib, "file_digest", None)  # no file read again
+    assert restarted.get(key, PROMPT + EXTRA)[1] == EXTRA
+    restarted.close()

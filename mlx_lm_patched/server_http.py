@@ -156,9 +156,10 @@ def _run_http_server(
     host: str,
     port: int,
     response_generator,
-    server_class=BoundedHTTPServer,
+    server_class=None,
     handler_class=APIHandler,
 ):
+    server_class = server_class or BoundedHTTPServer  # or a subclass of it
     server_address = (host, port)
     infos = socket.getaddrinfo(
         *server_address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

@@ -6,8 +6,8 @@ step to end (one 2,048-token step of six prompts: ~6 s on a 2-core CPU,
 ~30 s on a loaded one), then dropped every stream without its end (no
 ``[DONE]``); a second SIGTERM gave a ``KeyboardInterrupt`` traceback and
 exit status -2. Stopped, the server must end every stream cleanly and exit
-0 within ``STOP_SECONDS`` and a margin (no disk tier: nothing to drain); a
-second signal must end it at once, 0 or 130, without a traceback.
+0 within ``STOP_SECONDS`` and a margin, plus the drain bound of a disk tier;
+a second signal must end it at once, 0 or 130, without a traceback.
 """
 
 import os
@@ -19,9 +19,12 @@ import pytest
 from harness import REPORT, Server
 
 from mlx_lm_patched import tiny
+from mlx_lm_patched.prompt_cache_disk import DiskPromptCache
 
-# No disk tier: the stop's bound is the generation thread's and the handlers'.
+# The stop's bound without a disk tier (the generation thread's and the
+# handlers'); a disk tier adds its drain bound.
 BOUND = 5.0
+DRAIN_SECONDS = DiskPromptCache.drain_seconds
 CLIENTS = 6
 
 
@@ -60,15 +63,22 @@ def prefilling(server, clients=CLIENTS):
 
 
 @pytest.mark.parametrize(
-    "signum, step",
-    [(signal.SIGTERM, 2048), (signal.SIGINT, 64)],
-    ids=["SIGTERM-one-long-step", "SIGINT-many-steps"],
+    "signum, step, disk",
+    [
+        (signal.SIGTERM, 2048, False),
+        (signal.SIGINT, 64, False),
+        (signal.SIGTERM, 2048, True),
+    ],
+    ids=["SIGTERM-one-long-step", "SIGINT-many-steps", "SIGTERM-disk-tier"],
 )
 def test_stop_during_a_batched_prefill_ends_every_stream_and_exits_0_in_time(
-    demo_model, tmp_path, signum, step
+    demo_model, tmp_path, signum, step, disk
 ):
+    # With a disk tier, what memory holds is written for at most its drain bound.
+    flags = ["--prompt-cache-dir", tmp_path / "cache"] if disk else []
+    bound = BOUND + DRAIN_SECONDS if disk else BOUND
     with Server(
-        demo_model, "--prefill-step-size", step, log=tmp_path / "server.log"
+        demo_model, "--prefill-step-size", step, *flags, log=tmp_path / "server.log"
     ) as server:
         results, threads = prefilling(server)
         start = time.monotonic()
@@ -84,11 +94,12 @@ def test_stop_during_a_batched_prefill_ends_every_stream_and_exits_0_in_time(
             isinstance(r, tuple) and r[1][-1:] == ["[DONE]"] for r in results.values()
         )
         REPORT.append(
-            f"{signal.Signals(signum).name} during a prefill (step {step}): exit "
+            f"{signal.Signals(signum).name} during a prefill (step {step}"
+            f"{', disk tier' if disk else ''}): exit "
             f"{rc} after {took:.2f} s, {ended} of {CLIENTS} streams ended"
         )
         assert rc == 0, log[-3000:]
-        assert took <= BOUND, f"exited {took:.1f} s after the signal"
+        assert took <= bound, f"exited {took:.1f} s after the signal"
         assert "Traceback" not in log, log[-3000:]
         for i in range(CLIENTS):
             status, events = results[i]

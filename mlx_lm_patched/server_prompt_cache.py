@@ -111,9 +111,8 @@ def run(
         # The weights' digest (entries' model key) is read on a thread from
         # now, not by the first request (an 8B model's 16 GB: 14 s on an
         # H200's host); requests miss the disk tier until it is known.
-        disk._model_key(
-            (cli_args.model, cli_args.adapter_path, cli_args.draft_model), wait=False
-        )
+        default = ("model", "adapter_path", "draft_model")
+        disk._model_key(tuple(getattr(cli_args, k, None) for k in default), wait=False)
     if cli_args.prompt_cache_bytes is not None:
         prompt_cache.max_bytes = cli_args.prompt_cache_bytes
     # What the server starts with, and the budgets it holds.

@@ -22,7 +22,7 @@ def test_server_keeps_batching_with_kv_bits(patched):
     # The batch generator the server makes is given its KV quantization.
     source = inspect.getsource(ResponseGenerator._generate)
     call = source[source.index("BatchGenerator(") :]
-    call = call[: call.index(")")]
+    call = call[: call.index("\n" + " " * 20 + ")")]  # the call's closing line
     for arg in ("kv_bits", "kv_group_size", "quantized_kv_start"):
         assert f"{arg}=self.cli_args.{arg}," in call
 

@@ -104,18 +104,18 @@ def test_the_writer_lives_and_the_budget_holds_under_several_clients(demo, tmp_p
     cache_dir.mkdir()
     with Server(demo, *flags, log=tmp_path / "server.log") as server:
         with Peak(cache_dir) as peak:
-            statuses = clients([server], 4, 3)
+            statuses = clients([server], 8, 2)
             (queued, wrote, dropped, left), log = drained(server)
     stats = [l for l in log.splitlines() if "- disk: " in l]
     drops = int(re.search(r"(\d+) dropped", stats[-1])[1])
     REPORT.append(
-        f"server disk writer, 1 replica at {budget} B, 4 clients x 3 chats: "
+        f"server disk writer, 1 replica at {budget} B, 8 clients x 2 chats: "
         f"drain wrote {wrote} of {queued} queued ({dropped} not written), "
         f"{drops} dropped before; DIR peaked at {peak.peak} B "
         f"({peak.peak / budget:.2f}x) in {peak.samples} samples"
     )
 
-    assert statuses == [200] * 12, log
+    assert statuses == [200] * 16, log
     assert "Exception in thread" not in log and "Traceback" not in log, log
     assert wrote + dropped == queued and left == 0, log
     assert wrote + drops > 0 and "could not write" not in log, log

@@ -238,21 +238,16 @@ class PromptCacheDir:
         path = os.path.join(self.directory, self.digests_file)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return {}
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return {}
-            with os.fdopen(os.dup(fd), "rb") as f:
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return {}
                 known = json.loads(f.read(1 << 20))
-            ok = isinstance(known, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in known.items()
-            )
-            return known if ok else {}
         except (OSError, ValueError):
             return {}
-        finally:
-            os.close(fd)
+        ok = isinstance(known, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in known.items()
+        )
+        return known if ok else {}
 
     def _keep_digests(self):
         """Write the digests read to ``digests_file`` (best effort)."""

@@ -256,21 +256,21 @@ class PromptBlockDir(PromptCacheDir):
         blocks = json.loads(metadata["0.blocks"])
         files, out = blocks["files"], dict(arrays)
 
-        def host(k, n):  # a key's blocks joined on the host (threads copy)
-            parts = [found[files[j]][k] for j in range(n)]
-            if isinstance(parts[0], np.ndarray):
-                parts = [np.concatenate(parts, axis=2)]
-            return k, parts
-
         keys = [
             (f"{i}.{s}", blocks["layers"][i])
             for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items()
             for s in suffixes
         ]
-        for k, parts in self._block_threads().map(lambda x: host(*x), keys):
-            if isinstance(parts[0], np.ndarray):  # to MLX once, on this thread
-                parts = [mx.array(parts[0]).view(arrays[k].dtype)]
-            out[k] = mx.concatenate([*parts, arrays[k]], axis=2)
+        parts = {k: [found[files[j]][k] for j in range(n)] for k, n in keys}
+        if isinstance(parts[keys[0][0]][0], np.ndarray):  # read: host arrays
+
+            def join(k):  # on the host, by threads
+                return k, np.concatenate(parts[k], axis=2)
+
+            for k, x in self._block_threads().map(join, list(parts)):
+                parts[k] = [mx.array(x).view(arrays[k].dtype)]  # MLX once, here
+        for k, p in parts.items():
+            out[k] = mx.concatenate([*p, arrays[k]], axis=2)
         return out
 
     def _with_blocks(self, entry: tuple, header: dict, arrays: dict):

@@ -9,7 +9,7 @@ a target that cannot be merged is never overridden silently: the patch is
 set aside with a ``PatchDriftWarning`` (``PatchDriftError`` with
 ``strict=True``), and so are the patches that need an object it provides.
 A patch's new module-level helpers stay installed for the patches that use
-them.
+them. A module upstream does not have is one of ours (``_newmods``).
 """
 
 import builtins
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _merge
+from . import _merge, _newmods
 from ._merge import (
     MergeConflict,
     _global_reads,
@@ -100,6 +100,8 @@ class Target:
         except (ImportError, AttributeError) as e:
             raise MergeConflict(f"{self.owner} is missing ({e})") from None
         where = self.name.replace(":", ".")
+        if isinstance(self.new, _newmods.NewModule):
+            _newmods.check(_adds, self.new)
         if self.fingerprint is None:
             if current is _MISSING:
                 return self.new, "new"
@@ -302,6 +304,7 @@ def _importers(owner, attr: str, obj) -> List[Any]:
 
 
 def _set(target: Target, new: Any):
+    new = _newmods.materialize(target.attr, new)
     owner = target.resolve_owner()
     original = (
         owner.__dict__.get(target.attr, _MISSING)
@@ -332,6 +335,8 @@ def _unset(target: Target):
         delattr(owner, target.attr)
     else:
         setattr(owner, target.attr, original)
+    if isinstance(target.new, _newmods.NewModule):
+        sys.modules.pop(target.new.name, None)
 
 
 def get_original(owner: str, attr: str) -> Any:
@@ -377,24 +382,23 @@ def check_requires(patches: List[Patch]):
 def _is_helper(t: Target) -> bool:
     """A new module-level object that is not a class: inert until called, it
     stays installed for the patches that use it when its own patch cannot."""
-    return ":" not in t.owner and t.fingerprint is None and not inspect.isclass(t.new)
+    added = ":" not in t.owner and t.fingerprint is None
+    return added and not inspect.isclass(t.new) and not _newmods.lazy(t.new)
 
 
 def _needs(targets: List[Target]) -> List[str]:
     """The objects (``Target.name``) other patches add that ``targets``' code
     reads."""
-    own = {t.key for t in targets}
     out = set()
     for t in targets:
         for fn in functions(t.new):
             module = fn.__globals__.get("__name__")
             added = _adds.get(module, set()) & _names(fn.__code__)
             out.update(
-                _merge.base_key(module, n)
-                for n in added & _global_reads(fn.__code__)
-                if (module, n) not in own
+                _merge.base_key(module, n) for n in added & _global_reads(fn.__code__)
             )
-    return sorted(out)
+        out.update(_newmods.needs(_adds, t.new))
+    return sorted(out - {t.name for t in targets})
 
 
 def requirements(patch: Patch) -> List[str]:

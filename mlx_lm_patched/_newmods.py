@@ -1,0 +1,136 @@
+"""Modules upstream does not have: a patch's new subsystem is a file of ours
+under ``mlx_lm_patched/mlx_lm/`` (``mlx_lm/models/x.py`` is the module
+``mlx_lm.models.x``), written as it reads in mlx-lm, relative imports
+included, and run as that module while its patch is installed; upstream's
+files get only the imports of it (``FromModule``, the hooks). The quilt
+series has it as a new file, the vendored wheel as a module of mlx-lm.
+"""
+
+import ast
+import importlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+from . import _registry  # its Target; it imports this module first
+from ._merge import MergeConflict, base_key
+
+ROOT = Path(__file__).parent  # holds mlx_lm/, the new modules' files
+
+
+@dataclass(frozen=True)
+class NewModule:
+    """``Target.new`` for a module upstream does not have: our file of it,
+    run as the module ``name`` each time it is installed."""
+
+    name: str
+
+    @property
+    def path(self) -> Path:
+        return ROOT.joinpath(*self.name.split(".")).with_suffix(".py")
+
+    @property
+    def file(self) -> str:
+        """Its path in mlx-lm's source tree (``mlx_lm/models/x.py``)."""
+        return "/".join(self.name.split(".")) + ".py"
+
+    def load(self) -> types.ModuleType:
+        """Run the file as ``name``, in ``sys.modules`` (where its relative
+        imports and upstream's imports of it look) while it is installed."""
+        spec = importlib.util.spec_from_file_location(self.name, self.path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[self.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[self.name]
+            raise
+        return module
+
+    def imports(self) -> List[Tuple[str, str]]:
+        """``(module, name)`` for each name its top level imports from mlx-lm."""
+        package = self.name.rpartition(".")[0]
+        out = []
+        for node in ast.parse(self.path.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                relative = "." * node.level + (node.module or "")
+                module = importlib.util.resolve_name(relative, package)
+                if module.partition(".")[0] == "mlx_lm":
+                    out += [(module, a.name) for a in node.names]
+        return out
+
+
+@dataclass(frozen=True)
+class FromModule:
+    """``Target.new`` for a name an upstream file imports from a new module
+    (a hook, ``from .x import name``): that module's object once installed."""
+
+    module: str
+
+
+def new_module(name: str) -> List["_registry.Target"]:
+    """The target installing ``NewModule(name)``, an attribute of its package."""
+    package, _, attr = name.rpartition(".")
+    return [_registry.Target(package, attr, NewModule(name), None)]
+
+
+def hooks(owner: str, module: str, *names: str) -> List["_registry.Target"]:
+    """``from module import *names`` into upstream's ``owner``: the hooks."""
+    return [_registry.Target(owner, n, FromModule(module), None) for n in names]
+
+
+def lazy(new) -> bool:
+    """Whether ``new`` is made only when installed (not a helper to keep)."""
+    return isinstance(new, (NewModule, FromModule))
+
+
+def materialize(attr: str, new):
+    """The object a target installs: a new module run, a hook's name read."""
+    if isinstance(new, NewModule):
+        return new.load()
+    if isinstance(new, FromModule):
+        return getattr(sys.modules[new.module], attr)
+    return new
+
+
+def added(adds: Dict[str, Set[str]], module: str, name: str) -> Optional[str]:
+    """The object (``Target.name``) a patch adds (``adds``: module -> names)
+    that ``from module import name`` reads: the module or the name, if new."""
+    package, _, attr = module.rpartition(".")
+    if attr in adds.get(package, ()):
+        return base_key(package, attr)
+    if name in adds.get(module, ()):
+        return base_key(module, name)
+    return None
+
+
+def needs(adds: Dict[str, Set[str]], new) -> List[str]:
+    """The objects of other patches a new module imports."""
+    if not isinstance(new, NewModule):
+        return []
+    return [n for m, name in new.imports() if (n := added(adds, m, name))]
+
+
+def check(adds: Dict[str, Set[str]], new: NewModule):
+    """Raise ``MergeConflict`` where upstream has a module ``new.name`` now,
+    or lacks a name of its own that the new module imports."""
+    try:
+        spec = importlib.util.find_spec(new.name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin != str(new.path):
+        raise MergeConflict(f"{new.name} now exists upstream")
+    for module, name in new.imports():
+        if added(adds, module, name):
+            continue  # another patch's: a need (``needs``)
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            raise MergeConflict(
+                f"{new.name} imports {name} from {module}, which upstream lacks"
+            )

@@ -82,6 +82,10 @@ def hooks(owner: str, module: str, *names: str) -> List["_registry.Target"]:
     return [_registry.Target(owner, n, FromModule(module), None) for n in names]
 
 
+def is_new(new) -> bool:
+    return isinstance(new, NewModule)
+
+
 def lazy(new) -> bool:
     """Whether ``new`` is made only when installed (not a helper to keep)."""
     return isinstance(new, (NewModule, FromModule))

@@ -5,8 +5,6 @@ prefill would."""
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import (
-    DiskLRUPromptCache,
-    DiskPromptCache,
     KVCache,
     LRUPromptCache,
     PromptBlocks,
@@ -17,6 +15,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     save_prompt_cache,
 )
+from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 from ringref import active, random_kv, same
 
 H, D = 2, 32

@@ -493,7 +493,7 @@ def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
 def on_disk(model, directory):
     """The cache of ``FIRST`` (checkpoints at 512 and 1,024), written by a
     disk tier in ``directory``, closed; the cache and the file's path."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     cache = make_prompt_cache(model)
     prefill(model, FIRST, cache)
@@ -512,7 +512,7 @@ def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
     prefills the 216 tokens past the one at 1,024 with a fresh prefill's
     logits (within 1e-5), keeping both, and the whole entry has both, bit
     for bit."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     every(512)
@@ -538,7 +538,7 @@ def test_an_entry_written_without_checkpoints_still_loads(load_tiny, every, tmp_
     """A file as the disk tier wrote it before checkpoints were kept (no
     ``ring_checkpoints`` in its header) is served as before: the whole
     prompt, and no branch past the window."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     _, path = on_disk(model, tmp_path)
@@ -578,7 +578,7 @@ def test_a_tampered_checkpoint_is_a_miss_never_a_wrong_cache(
     recomputed: a crafted file), or one of whose checkpoint bytes flipped
     (``None``), is skipped with a warning: no cache is served, neither a
     branch nor the whole prompt."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     every(512)

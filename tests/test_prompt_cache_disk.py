@@ -62,7 +62,7 @@ def held(cache):
 
 
 def disk(directory, max_bytes=1 << 63, **kwargs):
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     return DiskPromptCache(str(directory), max_bytes, **kwargs)
 
@@ -237,7 +237,7 @@ def test_corrupt_truncated_and_foreign_files_are_skipped_with_a_warning(
 
 
 def test_bad_input_raises_value_error(tmp_path, load_tiny):
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     with pytest.raises(ValueError, match="max_bytes must be >= 0, got -1"):
         DiskPromptCache(str(tmp_path), -1)
@@ -250,7 +250,8 @@ def test_bad_input_raises_value_error(tmp_path, load_tiny):
 
 
 def test_evicted_entries_are_read_back_where_upstream_has_none(load_tiny, tmp_path):
-    from mlx_lm.models.cache import DiskLRUPromptCache, LRUPromptCache
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     import mlx_lm_patched
 
@@ -286,11 +287,8 @@ def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
     read back as that entry and fetched dequantized: the working cache a
     fetch from memory gives, bit for bit, exact or trimmed back within the
     slack; the file's arrays at most 0.55x / 0.30x of a bfloat16 tier's."""
-    from mlx_lm.models.cache import (
-        DiskLRUPromptCache,
-        LRUPromptCache,
-        RotatingKVCache,
-    )
+    from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     monkeypatch.setattr(RotatingKVCache, "slack", 8)  # as the server's rings
     model, _ = load_tiny("gemma3_text", dtype="bfloat16", head_dim=64)
@@ -355,7 +353,7 @@ def write_header(path, header, body, reseal=False, rename=False):
     """Write ``path`` with ``header``; with ``reseal`` its manifest digest
     recomputed (a crafted file), with ``rename`` named by its own hash.
     Returns the path written."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     meta = header["__metadata__"]
     if reseal:
@@ -559,7 +557,7 @@ def test_temporary_files_a_killed_writer_left_are_removed_on_the_next_scan(
 ):
     import fcntl
 
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     stale = tmp_path / ("d" * 32 + ".safetensors.999999-1.tmp")
     held = tmp_path / ("e" * 32 + ".safetensors.999998-1.tmp")
@@ -649,7 +647,7 @@ def test_put_queues_the_caches_own_buffers_not_a_host_copy(load_tiny, tmp_path):
 
 
 def disk_lru(directory, max_size=10, **kwargs):
-    from mlx_lm.models.cache import DiskLRUPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     return DiskLRUPromptCache(disk(directory, **kwargs), max_size=max_size)
 
@@ -751,7 +749,7 @@ def test_close_with_a_timeout_gives_up_on_what_is_left_and_says_so(
 
 
 def test_a_replica_finds_what_another_wrote_after_it_started(load_tiny, tmp_path):
-    from mlx_lm.models.cache import DiskLRUPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     model, _ = load_tiny("llama")
     # Memory keeps nothing (a disk hit stays there too): every fetch asks disk.
@@ -795,7 +793,7 @@ def test_chunk_crcs_joined_are_zlibs_crc32_of_the_whole():
     import random
     import zlib
 
-    from mlx_lm.models.cache import DiskPromptCache as D
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache as D
 
     rng = random.Random(0)
     for _ in range(50):
@@ -831,7 +829,7 @@ def test_an_entry_read_in_small_chunks_is_bit_exact_and_a_flipped_bit_is_refused
 def restores(tier, cached=0, prefill_rate=None, read_rate=1e6):
     """A ``DiskLRUPromptCache`` on ``tier`` that measured ``prefill_rate``
     tokens a second and ``read_rate`` bytes a second: fixed numbers."""
-    from mlx_lm.models.cache import DiskLRUPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     lru = DiskLRUPromptCache(tier)
     tier._read = [read_rate, 1.0]

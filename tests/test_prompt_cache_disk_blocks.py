@@ -10,13 +10,8 @@ import os
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import (
-    DiskLRUPromptCache,
-    DiskPromptCache,
-    KVCache,
-    PromptBlocks,
-    QuantizedKVCache,
-)
+from mlx_lm.models.cache import KVCache, PromptBlocks, QuantizedKVCache
+from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 from ringref import random_kv, same
 
 pytestmark = pytest.mark.usefixtures("patched")

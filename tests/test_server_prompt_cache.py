@@ -57,7 +57,7 @@ def test_logged_prompt_cache_size_is_exact(patched, caplog):
 def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
     patched, monkeypatch, tmp_path
 ):
-    from mlx_lm.models.cache import DiskLRUPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
     directory = str(tmp_path / "prompts")
     prompt_cache = run_prompt_cache(
@@ -163,7 +163,8 @@ def test_disk_tier_files_and_directory_get_the_prompt_cache_mode(
     import os
     import stat
 
-    from mlx_lm.models.cache import DiskPromptCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("llama")
     cache = make_prompt_cache(model)
@@ -213,11 +214,8 @@ def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
     """After a restart, the first fetch of a prompt reads it from disk; the
     next is served from memory (it was read from disk every time), and the
     log says which tier served it."""
-    from mlx_lm.models.cache import (
-        DiskLRUPromptCache,
-        DiskPromptCache,
-        make_prompt_cache,
-    )
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
     model, _ = load_tiny("llama")
     cache = make_prompt_cache(model)

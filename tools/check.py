@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
-from mlx_lm_patched import _merge
+from mlx_lm_patched import _merge, _newmods
 from mlx_lm_patched._registry import Patch
 
 from . import PATCH_DIR, all_patches
@@ -57,6 +57,8 @@ def check_uses(patches: Sequence[Patch], tree: Path) -> List[str]:
             if cls is None and not is_removal(t):
                 added[module].add(t.attr)
             if is_removal(t) or isinstance(t.new, types.ModuleType):
+                continue
+            if _newmods.is_new(t.new):  # its own file, its names checked there
                 continue
             if imported_from(t):  # its code is checked where it is pasted
                 continue

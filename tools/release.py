@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mlx_lm_patched import _registry
+from mlx_lm_patched import _newmods, _registry
 from mlx_lm_patched._registry import UPSTREAM_VERSION, Patch, fingerprint_source
 
 from .rewrite import (
@@ -64,6 +64,9 @@ def _check(t, cls: Optional[str], text: str) -> Tuple[str, str]:
     return "merged", f"fingerprint {fp}, written for {t.fingerprint}{inherited}"
 
 
+_NEW = {False: ("new", ""), True: ("exists", "a file upstream now has")}
+
+
 def check_targets(
     patches: Sequence[Patch], tree: Path, series: Optional[Series] = None
 ) -> List[TargetCheck]:
@@ -75,6 +78,10 @@ def check_targets(
     current: Optional[Dict[str, str]] = {}  # None once a patch cannot be written
     for i, patch in enumerate(patches):
         for t in patch.targets:
+            if _newmods.is_new(t.new):  # a new file: upstream must not have one
+                found = (tree / t.new.file).exists()
+                out.append(TargetCheck(patch.name, t.new.file, *_NEW[found]))
+                continue
             module, cls = split_owner(t.owner)
             where = f"{module}.{cls + '.' if cls else ''}{t.attr}"
             where += " (removed)" if is_removal(t) else ""

@@ -20,7 +20,7 @@ import types
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from mlx_lm_patched import _merge
+from mlx_lm_patched import _merge, _newmods
 from mlx_lm_patched._registry import (
     REMOVED,
     Patch,
@@ -326,11 +326,35 @@ def _reads(node: ast.AST, name: str) -> bool:
 
 def imported_from(t: Target) -> Optional[str]:
     """The module ``t``'s function is pasted into, where that is another
-    module of ``t``'s package: ``t`` is imported from there."""
+    module of ``t``'s package, or the new module a hook names: ``t`` is
+    imported from there."""
+    if isinstance(t.new, _newmods.FromModule):
+        return t.new.module
     own = split_owner(t.owner)[0]
     home = t.new.__module__ if inspect.isfunction(t.new) else own
     same_package = home.partition(".")[0] == own.partition(".")[0]
     return home if same_package and home != own else None
+
+
+def _relative(own: str, home: str) -> Tuple[int, str]:
+    """``(level, module)`` of ``from <home> import`` written in ``own``."""
+    package, parts = own.split(".")[:-1], home.split(".")
+    common = 0
+    while common < min(len(package), len(parts)) and package[common] == parts[common]:
+        common += 1
+    return len(package) - common + 1, ".".join(parts[common:])
+
+
+def _new_import_line(text: str, level: int, module: str) -> int:
+    """Where a new relative ``from`` import goes, isort-style: among the
+    file's relative imports (``..`` first, then by name), else after its
+    last import, a blank line between."""
+    nodes = [n for n in parse(text).body if isinstance(n, _IMPORTS)]
+    relative = [n for n in nodes if isinstance(n, ast.ImportFrom) and n.level]
+    for n in relative:
+        if (-n.level, n.module or "") > (-level, module):
+            return n.lineno - 1
+    return (relative or nodes)[-1].end_lineno
 
 
 def _names_key(name: str) -> Tuple[int, str]:
@@ -342,24 +366,33 @@ def _names_key(name: str) -> Tuple[int, str]:
 
 def _add_import(text: str, own: str, home: str, name: str) -> str:
     """``text`` (module ``own``) with ``name`` added to its relative ``from``
-    import of module ``home``, written as black and isort write it."""
-    package = own.rpartition(".")[0]
-    relative = home[len(package) + 1 :] if home.startswith(package + ".") else ""
+    import of module ``home`` (a new one where it has none), written as
+    black and isort write it."""
+    level, relative = _relative(own, home)
     found = [
         n
         for n in parse(text).body
-        if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module == relative
+        if isinstance(n, ast.ImportFrom)
+        and n.level == level
+        and (n.module or "") == relative
     ]
-    if not found:
-        raise GenerateError(f"{own} has no 'from .{relative} import' to add {name} to")
-    node, lines = found[0], lines_of(text)
-    names = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
+    lines = lines_of(text)
+    if found:
+        node = found[0]
+        names = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
+        start, end = node.lineno - 1, node.end_lineno
+    else:
+        names, start = [], _new_import_line(text, level, relative)
+        end = start
+        if not any(isinstance(n, ast.ImportFrom) and n.level for n in parse(text).body):
+            lines[start:start] = ["\n"]
+            start = end = start + 1
     names = sorted(names + [name], key=_names_key)
-    head = f"from .{relative} import "
+    head = f"from {'.' * level}{relative} import "
     new = [head + ", ".join(names) + "\n"]
-    if node.end_lineno > node.lineno or len(new[0]) > 89:  # 88 and its newline
+    if end - start > 1 or len(new[0]) > 89:  # 88 and its newline
         new = [head + "(\n"] + [f"    {n},\n" for n in names] + [")\n"]
-    lines[node.lineno - 1 : node.end_lineno] = new
+    lines[start:end] = new
     return "".join(lines)
 
 
@@ -434,6 +467,9 @@ def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[st
     origin = getattr(patch_module(patch), "__file__", None)
     who = f"patch {patch.name!r}"
     for t in patch.targets:
+        if isinstance(t.new, _newmods.NewModule):
+            out[t.new.file] = t.new.path.read_text()  # a new file, as written
+            continue
         rel = module_file(split_owner(t.owner)[0], tree)
         read_file(out, rel, tree, who)
         siblings = [
@@ -446,7 +482,7 @@ def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[st
     # Last first, so an object an earlier one is used by is already in place.
     for t in reversed(patch.targets):
         module, cls = split_owner(t.owner)
-        if cls is None and not is_removal(t):
+        if cls is None and not is_removal(t) and not _newmods.is_new(t.new):
             rel = module_file(module, tree)
             out[rel] = _place_module_level(out[rel], t, origin)
     check_compiles(out, who)

@@ -40,12 +40,12 @@ class Series:
 
 
 def _diff(rel: str, before: str, after: str) -> List[str]:
-    if not after.endswith("\n") or not before.endswith("\n"):
+    """The unified diff of ``rel``; ``before`` empty: a new file."""
+    if not after.endswith("\n") or not before.endswith("\n") and before:
         raise GenerateError(f"{rel}: no newline at end of file")
+    old = f"a/{rel}" if before else "/dev/null"
     return list(
-        difflib.unified_diff(
-            lines_of(before), lines_of(after), f"a/{rel}", f"b/{rel}", n=3
-        )
+        difflib.unified_diff(lines_of(before), lines_of(after), old, f"b/{rel}", n=3)
     )
 
 
@@ -63,7 +63,7 @@ def generate(
         for rel in sorted(after, key=lambda r: (not is_source(r), r)):
             before = current.get(rel)
             if before is None:
-                before = (tree / rel).read_text()
+                before = (tree / rel).read_text() if (tree / rel).exists() else ""
             if before == after[rel]:
                 continue
             diff += _diff(rel, before, after[rel])

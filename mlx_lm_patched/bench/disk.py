@@ -36,12 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import (
-    DiskLRUPromptCache,
-    DiskPromptCache,
-    LRUPromptCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
 import mlx_lm_patched
 from mlx_lm_patched.demo import tiny

@@ -31,13 +31,8 @@ import tempfile
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    DiskLRUPromptCache,
-    DiskPromptCache,
-    KVCache,
-    PromptBlocks,
-    prompt_cache_to_host,
-)
+from mlx_lm.models.cache import KVCache, PromptBlocks, prompt_cache_to_host
+from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
 import mlx_lm_patched
 from mlx_lm_patched.demo import tiny

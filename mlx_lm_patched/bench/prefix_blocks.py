@@ -78,10 +78,11 @@ def on_disk(caches, convs, block_size, args, per_token):
     """What a ``DiskLRUPromptCache``'s directory holds for ``convs`` (see
     the module)."""
     from mlx_lm.models import cache as cache_module
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
     with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-prefix-") as d:
-        tier = cache_module.DiskPromptCache(d)
-        lru = cache_module.DiskLRUPromptCache(tier, max_size=len(convs))
+        tier = DiskPromptCache(d)
+        lru = DiskLRUPromptCache(tier, max_size=len(convs))
         lru._blocks = cache_module.PromptBlocks(block_size)
         for tokens, cache in zip(convs, caches):
             lru.insert_cache("model", tokens, cache)

@@ -84,7 +84,7 @@ def run(
     if cli_args.prompt_cache_dir is None:
         prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, **at_rest)
     else:
-        from .models.cache import DiskLRUPromptCache, DiskPromptCache
+        from .models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
         # One directory per rank: each holds its own shard of the caches.
         directory = Path(cli_args.prompt_cache_dir)
@@ -509,6 +509,6 @@ PATCH = Patch(
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
-        "mlx_lm.models.cache:DiskLRUPromptCache",
+        "mlx_lm.models:prompt_cache_disk",
     ),
 )

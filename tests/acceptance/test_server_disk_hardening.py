@@ -25,7 +25,7 @@ def forge(path, header, body, reseal=True):
     """Write ``header`` and ``body`` as an entry named by the hash of what
     the header claims, its manifest recomputed (``reseal``): a file crafted
     to pass every check a name or a digest can make."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     meta = header["__metadata__"]
     if reseal:

@@ -49,7 +49,7 @@ def is_entry(name):
 
 def load_entry(directory, name):
     """The cache in entry file ``name``, its block files joined in."""
-    from mlx_lm.models.cache import DiskPromptCache
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     tier = DiskPromptCache(str(directory))
     try:

@@ -90,9 +90,10 @@ ADD = {PROMPT_CACHE: [TestPromptCache]}
 EDIT = {
     PROMPT_CACHE: [
         (
-            "    ChunkedKVCache,\n    KVCache,\n",
-            "    ChunkedKVCache,\n    DiskLRUPromptCache,\n    DiskPromptCache,\n"
-            "    KVCache,\n",
+            "from mlx_lm.utils import load\n",
+            "from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, "
+            "DiskPromptCache\n"
+            "from mlx_lm.utils import load\n",
         ),
     ]
 }

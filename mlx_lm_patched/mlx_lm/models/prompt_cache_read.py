@@ -1,0 +1,196 @@
+"""Reading prompt-cache files one cannot trust: a header of bounded size,
+each field checked and the whole matching its manifest digest; the arrays
+read by threads, each chunk checked (CRC-32, finite floats) as it comes."""
+
+import hashlib
+import json
+import os
+import stat
+import zlib
+
+import mlx.core as mx
+
+
+class PromptCacheReader:
+    """How ``PromptCacheDir`` reads its files: ``_safetensors_header`` and
+    ``_read_arrays``."""
+
+    # Bytes of header a scan reads at most (a 1M-token prompt takes ~8 MB).
+    header_limit = 64 << 20
+
+    # Threads reading an entry's data; bytes a read at most (a multiple of 8).
+    read_threads = 8
+    read_chunk = 16 << 20
+
+    # (read_threads, the threads reading entries), made at the first read
+    _pool = (0, None)
+
+    # safetensors dtype: MLX dtype
+    dtypes = {
+        "BOOL": "bool", "U8": "uint8", "U16": "uint16", "U32": "uint32",
+        "U64": "uint64", "I8": "int8", "I16": "int16", "I32": "int32",
+        "I64": "int64", "F16": "float16", "BF16": "bfloat16",
+        "F32": "float32", "F64": "float64",
+    }  # fmt: skip
+
+    @staticmethod
+    def _manifest(header: dict):
+        """A digest of everything in ``header`` but the two checksums: each
+        array's dtype, shape and offsets, the model, tokens, trim count,
+        cache classes and scalars."""
+        header = dict(header)
+        meta = dict(header["__metadata__"])
+        meta.pop("0.manifest", None)
+        meta.pop("0.crc32", None)
+        header["__metadata__"] = meta
+        text = json.dumps(header, sort_keys=True).encode()
+        return hashlib.sha256(text).hexdigest()[:32]
+
+    def _safetensors_header(self, fd: int):
+        """``(header, file bytes)`` of the file open on ``fd``: a regular
+        file, a header of at most ``header_limit`` bytes matching its
+        manifest, each array's dtype, shape and offsets well formed, the
+        arrays filling the file without gaps."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
+        n = int.from_bytes(os.pread(fd, 8, 0).ljust(8, b"\0"), "little")
+        if not 0 < n <= min(size - 8, self.header_limit):
+            raise ValueError(f"a header of {n} bytes in a file of {size}")
+        header = json.loads(os.pread(fd, n, 8))
+        if not isinstance(header, dict) or not isinstance(
+            header.get("__metadata__"), dict
+        ):
+            raise ValueError("no metadata")
+        if header["__metadata__"].get("0.manifest") != self._manifest(header):
+            raise ValueError("its header does not match its manifest")
+        spans = []
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            shape, offsets = v.get("shape"), v.get("data_offsets")
+            if not (
+                v.get("dtype") in self.dtypes
+                and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(type(o) is int for o in offsets)
+            ):
+                raise ValueError(f"array {k!r} has a malformed dtype, shape or offsets")
+            count = 1
+            for d in shape:
+                count *= d
+            itemsize = getattr(mx, self.dtypes[v["dtype"]]).size
+            if offsets[1] - offsets[0] != count * itemsize:
+                raise ValueError(f"array {k!r} has offsets that do not fit its shape")
+            spans.append(offsets)
+        end = 0
+        for start, stop in sorted(spans):
+            if start != end:
+                raise ValueError("its arrays' offsets leave gaps or overlap")
+            end = stop
+        if size != 8 + n + end:
+            raise ValueError(f"{size} bytes where its header needs {8 + n + end}")
+        return header, size
+
+    def _read_arrays(self, fd: int, header: dict, each):
+        """Call ``each(key, bytes)`` for each array of the entry file open on
+        ``fd`` (``header``, its checked header), in file order, each as soon
+        as it is read: ``read_threads`` threads read ``read_chunk`` bytes at
+        a time into preallocated numpy buffers and check each chunk: its
+        CRC-32 (zlib releases the GIL) and, for floats, that no exponent is
+        all ones (NaN or infinite). Raises ``ValueError`` where a float is
+        not finite and, once all are read, where their CRC-32 is not the
+        header's (``_write``'s: the arrays' bytes in sorted key order, chunks
+        joined as zlib's ``crc32_combine`` joins them)."""
+        from concurrent.futures import ThreadPoolExecutor, wait
+
+        import numpy as np
+
+        base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+        spans = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+        shifts = {}  # bytes -> _crc32_shift(bytes): a few sizes recur
+
+        def combine(crc1, crc2, n):
+            if n not in shifts:
+                shifts[n] = self._crc32_shift(n)
+            return self._crc32_times(shifts[n], crc1) ^ crc2
+
+        # safetensors dtype: its bits, and the exponent all ones in NaN and inf
+        floats = {
+            "BF16": np.array(0x7F80, np.uint16),
+            "F16": np.array(0x7C00, np.uint16),
+            "F32": np.array(0x7F800000, np.uint32),
+            "F64": np.array(0x7FF0000000000000, np.uint64),
+        }
+
+        def read(key, view, at):
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], at + done)
+                if n == 0:
+                    raise ValueError("it was truncated while it was read")
+                done += n
+            exponent = floats.get(header[key]["dtype"])
+            if exponent is not None:
+                bits = np.frombuffer(view, exponent.dtype)
+                if (bits & exponent).max(initial=0) == exponent:
+                    raise ValueError(f"array {key} holds NaN or infinite values")
+            return zlib.crc32(view)
+
+        if self._pool[0] != self.read_threads:  # kept: threads take ms to start
+            self._pool = (self.read_threads, ThreadPoolExecutor(self.read_threads))
+        pool, futures = self._pool[1], []
+        try:
+            jobs, crcs = [], {}
+            for k, (start, stop) in sorted(spans.items(), key=lambda x: x[1]):
+                data = np.empty(stop - start, np.uint8)
+                view, step = memoryview(data), self.read_chunk
+                parts = [
+                    (pool.submit(read, k, view[i : i + step], base + start + i),
+                     len(view[i : i + step]))
+                    for i in range(0, len(data), step)
+                ]  # fmt: skip
+                jobs.append((k, data, parts))
+                futures += [part for part, _ in parts]
+            for i, (k, data, parts) in enumerate(jobs):
+                jobs[i], crcs[k] = None, 0  # its buffer freed once used
+                for part, n in parts:
+                    crcs[k] = combine(crcs[k], part.result(), n)
+                each(k, data)
+        finally:  # on any error, no thread reads ``fd`` once this returns
+            for part in futures:
+                part.cancel()
+            wait(futures)
+        crc = 0
+        for k in sorted(crcs):
+            crc = combine(crc, crcs[k], spans[k][1] - spans[k][0])
+        if crc != int(header["__metadata__"].get("0.crc32", "-1")):
+            raise ValueError("its data does not match its CRC-32")
+
+    @staticmethod
+    def _crc32_times(a: int, b: int):
+        """``a`` times ``b`` modulo the CRC-32 polynomial, bit-reflected (x^0
+        is 1 << 31): CRC-32 of ``A + B`` is ``crc(A)`` times x^(8 len(B))
+        plus ``crc(B)``, as zlib's ``crc32_combine`` computes it."""
+        p, m = 0, 1 << 31
+        while a:
+            if a & m:
+                p, a = p ^ b, a ^ m
+            m >>= 1
+            b = (b >> 1) ^ 0xEDB88320 if b & 1 else b >> 1
+        return p
+
+    @classmethod
+    def _crc32_shift(cls, n: int):
+        """x^(8n) modulo the CRC-32 polynomial: what ``n`` bytes shift by."""
+        product, power = 1 << 31, 1 << 23  # x^0, x^8
+        while n:
+            if n & 1:
+                product = cls._crc32_times(power, product)
+            n >>= 1
+            if n:
+                power = cls._crc32_times(power, power)
+        return product

@@ -19,6 +19,7 @@ from . import _registry  # its Target; it imports this module first
 from ._merge import MergeConflict, base_key
 
 ROOT = Path(__file__).parent  # holds mlx_lm/, the new modules' files
+_loaded: Dict[str, types.ModuleType] = {}  # name -> the module, run once
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,12 @@ class NewModule:
         return "/".join(self.name.split(".")) + ".py"
 
     def load(self) -> types.ModuleType:
-        """Run the file as ``name``, in ``sys.modules`` (where its relative
-        imports and upstream's imports of it look) while it is installed."""
+        """The module, in ``sys.modules`` (where its relative imports and
+        upstream's imports of it look) while it is installed; its file run
+        once, so its classes stay the same through a revert and apply."""
+        if self.name in _loaded:
+            sys.modules[self.name] = _loaded[self.name]
+            return _loaded[self.name]
         spec = importlib.util.spec_from_file_location(self.name, self.path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[self.name] = module
@@ -48,6 +53,7 @@ class NewModule:
         except BaseException:
             del sys.modules[self.name]
             raise
+        _loaded[self.name] = module
         return module
 
     def imports(self) -> List[Tuple[str, str]]:

@@ -13,14 +13,15 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.kernels import quantized_decode as qa
+from mlx_lm.kernels import quantized_decode_partial, quantized_decode_source
+from mlx_lm.kernels.quantized_decode_mma import _DECODE_MMA
 from mlx_lm.models import base, cache
 from mlx_lm.models.cache import RotatingKVCache
 from ringref import fake_backend, random_kv, single_stream
 
 import mlx_lm_patched
 from mlx_lm_patched.demo import tiny
-from mlx_lm_patched.kernels import quantized_decode_kernel as qa
-from mlx_lm_patched.kernels.quantized_decode_mma import _DECODE_MMA
 from mlx_lm_patched.kernels.quantized_decode_reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
@@ -155,18 +156,18 @@ def test_a_padded_batch_s_mask_hides_each_row_s_padding(kind):
 
 
 def test_splits_fill_the_target_and_keep_a_minimum_of_keys():
-    assert qa.decode_splits(1, 8, 32768) == base.DECODE_BLOCKS // 8
+    assert qa.decode_splits(1, 8, 32768) == qa.DECODE_BLOCKS // 8
     assert qa.decode_splits(1, 8, 100) == 1
     assert qa.decode_splits(64, 8, 32768) == 1
     n = qa.decode_splits(1, 8, 1000)
-    assert n * base.DECODE_MIN_KEYS <= 1000
+    assert n * qa.DECODE_MIN_KEYS <= 1000
 
 
 @pytest.mark.parametrize("width", [64, 96, 128])
 @pytest.mark.parametrize("dims_per_lane", [8, 16])
 def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_lane):
-    monkeypatch.setattr(base, "DECODE_DIMS_PER_LANE", dims_per_lane)
-    monkeypatch.setattr(base, "DECODE_MMA", False)
+    monkeypatch.setattr(qa, "DECODE_DIMS_PER_LANE", dims_per_lane)
+    monkeypatch.setattr(qa, "DECODE_MMA", False)
     kernel, partial, reduce = qa._decode_launch(
         1, 32, 1, width, 8, width, 8, 32, 0, False, 32, mx.bfloat16, 0.1
     )
@@ -179,17 +180,17 @@ def test_a_key_s_lanes_cover_its_width_in_one_warp(monkeypatch, width, dims_per_
 
 
 def test_launch_arguments_are_made_once_per_shape_and_setting(monkeypatch):
-    monkeypatch.setattr(base, "DECODE_MMA", False)
+    monkeypatch.setattr(qa, "DECODE_MMA", False)
     args = (1, 32, 1, 128, 8, 128, 4, 64, 0, False, 32, mx.bfloat16, 0.1)
     first = qa._decode_launch(*args)[1]
     assert qa._decode_launch(*args)[1] is first
-    monkeypatch.setattr(base, "DECODE_KEYS_PER_ITER", 3)
+    monkeypatch.setattr(qa, "DECODE_KEYS_PER_ITER", 3)
     other = qa._decode_launch(*args)[1]
     assert other is not first and ("KT", 3) in other["template"]
-    monkeypatch.setattr(base, "DECODE_MMA", True)
+    monkeypatch.setattr(qa, "DECODE_MMA", True)
     kernel, mma, _ = qa._decode_launch(*args)
     assert kernel == "mma" and ("PF", True) in mma["template"]
-    monkeypatch.setattr(base, "DECODE_PREFETCH", False)
+    monkeypatch.setattr(qa, "DECODE_PREFETCH", False)
     assert ("PF", False) in qa._decode_launch(*args)[1]["template"]
 
 
@@ -204,21 +205,20 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     a file named by its hash in a folder of this user's alone; a file
     changed on disk is written again before use, and a folder others may
     write to, or none at all, keeps the source in the call."""
-    from mlx_lm_patched.kernels import quantized_decode_source as src
-
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw))
-    monkeypatch.setattr(base, "_decode_kernels", {})
+    monkeypatch.setattr(qa, "_decode_kernels", {})
     monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path / "cuda"))
-    monkeypatch.setattr(base, "DECODE_MMA", name == "mma")
+    monkeypatch.setattr(qa, "DECODE_MMA", name == "mma")
     args = (1, 32, 1, 128, 8, 128, 8, 64, 1, False, 16, mx.bfloat16, 0.1, 64)
     first, partial, reduce = qa._decode_launch(*args)
     template = (reduce if name == "reduce" else partial)["template"]
-    base._decode_kernel(name, template)
+    qa._decode_kernel(name, template)
     (call,) = made
-    body = {"mma": _DECODE_MMA, "partial": src._DECODE_PARTIAL}
-    body = qa._minified(body.get(name, src._DECODE_REDUCE))
-    header = src._DECODE_DEFINES if name == "reduce" else src._DECODE_HEADER
+    partial, source = quantized_decode_partial, quantized_decode_source
+    body = {"mma": _DECODE_MMA, "partial": partial._DECODE_PARTIAL}
+    body = qa._minified(body.get(name, partial._DECODE_REDUCE))
+    header = source._DECODE_DEFINES if name == "reduce" else source._DECODE_HEADER
     header = qa._minified(header)
     files = sorted((tmp_path / "cuda").iterdir())
     assert sorted(f.read_text() for f in files) == sorted([body, header])
@@ -252,11 +252,11 @@ def test_the_scale_is_compiled_in_not_read_from_an_array(monkeypatch, tmp_path, 
     make two kernels."""
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
-    monkeypatch.setattr(base, "_cuda_kernels", True)
-    monkeypatch.setattr(base, "_decode_kernels", {})
-    monkeypatch.setattr(base, "_decode_launches", {})
+    monkeypatch.setattr(qa, "_cuda_kernels", True)
+    monkeypatch.setattr(qa, "_decode_kernels", {})
+    monkeypatch.setattr(qa, "_decode_launches", {})
     monkeypatch.setenv("MLX_LM_PATCHED_CUDA_DIR", str(tmp_path))
-    monkeypatch.setattr(base, "DECODE_MMA", mma)
+    monkeypatch.setattr(qa, "DECODE_MMA", mma)
     args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16)
     scale = 128**-0.5
     qa._decode_launch(*args, scale)
@@ -276,7 +276,7 @@ def test_a_tail_is_one_more_range_of_the_first_kernel(monkeypatch, mma):
     """A cache's tail (``tail`` > 1) takes a block of its own after the
     ranges' (one more partial result a KV head); the merge kernel reads the
     partial results alone."""
-    monkeypatch.setattr(base, "DECODE_MMA", mma)
+    monkeypatch.setattr(qa, "DECODE_MMA", mma)
     args = (1, 32, 1, 128, 8, 128, 8, 64, 0, False, 16, mx.bfloat16, 0.1)
     _, plain, _ = qa._decode_launch(*args)
     _, tailed, reduce = qa._decode_launch(*args, 64)
@@ -306,9 +306,9 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(base, "_cuda_kernels", True)
-    monkeypatch.setattr(base, "_decode_kernel", kernel)
-    monkeypatch.setattr(base, "_decode_launches", {})
+    monkeypatch.setattr(qa, "_cuda_kernels", True)
+    monkeypatch.setattr(qa, "_decode_kernel", kernel)
+    monkeypatch.setattr(qa, "_decode_launches", {})
     c = cache.QuantizedKVCache(bits=8)
     c.decode_tail = 8
     c.update_and_fetch(*random_kv(1, 2, 20, 64, dtype=bf16))
@@ -349,7 +349,7 @@ def test_a_cache_s_decode_step_has_the_kernel_write_its_tail(monkeypatch):
     c._wrote_tail(q_keys, *kept[::-1])
     assert c._tail is kept
     # DECODE_MERGE off: a second kernel merges the first one's ranges.
-    monkeypatch.setattr(base, "DECODE_MERGE", False)
+    monkeypatch.setattr(qa, "DECODE_MERGE", False)
     made.clear()
     qa.quantized_decode_attention(q, *c.update_and_fetch(*step), 0.1, None, 64, 8)
     (first, t, _), (reduce, _, parts) = made
@@ -389,12 +389,12 @@ def test_up_to_8_rows_over_widths_64_and_128_take_the_tensor_core_kernel(
 def test_no_kernel_without_mlx_s_cuda_backend(monkeypatch):
     """A faked CUDA backend on a CPU build keeps the dequantizing road."""
     fake_backend(monkeypatch, "cuda")
-    monkeypatch.setattr(base, "_cuda_kernels", False)
+    monkeypatch.setattr(qa, "_cuda_kernels", False)
     assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8)
 
 
 def test_the_environment_can_keep_the_old_road(monkeypatch):
-    monkeypatch.setattr(base, "_cuda_kernels", True)
+    monkeypatch.setattr(qa, "_cuda_kernels", True)
     q = mx.ones((1, 8, 1, 64), mx.bfloat16)
     assert qa.use_decode_kernel(q, 8) and qa.use_decode_kernel(q, 4)
     assert not qa.use_decode_kernel(q, 6)
@@ -402,9 +402,11 @@ def test_the_environment_can_keep_the_old_road(monkeypatch):
     assert not qa.use_decode_kernel(mx.ones((1, 8, 16, 64), mx.bfloat16), 8)
     assert not qa.use_decode_kernel(mx.ones((1, 8, 1, 256), mx.bfloat16), 8)
     # Read at import, as QuantizedKVCache.decode_tail reads it.
-    code = "import mlx.core as mx, mlx_lm_patched; from mlx_lm.models import base; "
-    code += "base._cuda_kernels = True; "
-    code += "print(base.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8))"
+    code = "import mlx.core as mx, mlx_lm_patched; "
+    code += (
+        "from mlx_lm.kernels import quantized_decode as qa; qa._cuda_kernels = True; "
+    )
+    code += "print(qa.use_decode_kernel(mx.ones((1, 8, 1, 64), mx.bfloat16), 8))"
     env = dict(os.environ, MLX_LM_PATCHED_DECODE_KERNEL="0")
     run = [sys.executable, "-c", code]
     out = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
@@ -434,10 +436,10 @@ def test_cuda_decode_steps_take_the_kernel_and_prefill_chunks_do_not(
         )
 
     fake_backend(monkeypatch, "cuda")
-    monkeypatch.setattr(base, "_cuda_kernels", True)
+    monkeypatch.setattr(qa, "_cuda_kernels", True)
     monkeypatch.setattr(base, "quantized_decode_attention", kernel)
     monkeypatch.setattr(
-        base, "use_decode_kernel", lambda q, bits: q.shape[2] <= base.DECODE_MAX_QUERIES
+        base, "use_decode_kernel", lambda q, bits: q.shape[2] <= qa.DECODE_MAX_QUERIES
     )
     quantized_matmul = mx.quantized_matmul
     monkeypatch.setattr(mx, "quantized_matmul", None)  # CUDA's fails on a cache

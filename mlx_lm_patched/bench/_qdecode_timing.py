@@ -8,9 +8,8 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.kernels import quantized_decode as qa
 from mlx_lm.models import base
-
-from mlx_lm_patched.kernels import quantized_decode_kernel as qa
 
 from .e2e import _fresh
 
@@ -151,10 +150,10 @@ VARIANTS = [(4, 256, 1), (2, 256, 0), (4, 512, 1), (4, 128, 1)]
 
 def _settings(kt=None, blocks=None, pf=None):
     """Set the kernel's settings (those given); return them as they were."""
-    was = base.DECODE_KEYS_PER_ITER, base.DECODE_BLOCKS, base.DECODE_PREFETCH
+    was = qa.DECODE_KEYS_PER_ITER, qa.DECODE_BLOCKS, qa.DECODE_PREFETCH
     if kt is not None:
-        base.DECODE_KEYS_PER_ITER, base.DECODE_BLOCKS = kt, blocks
-        base.DECODE_PREFETCH = bool(pf)
+        qa.DECODE_KEYS_PER_ITER, qa.DECODE_BLOCKS = kt, blocks
+        qa.DECODE_PREFETCH = bool(pf)
     return was
 
 

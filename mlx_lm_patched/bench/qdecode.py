@@ -62,12 +62,12 @@ import time
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
+from mlx_lm.kernels import quantized_decode as qa
 from mlx_lm.models import base
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
-from mlx_lm_patched.kernels import quantized_decode_kernel as qa
 from mlx_lm_patched.kernels.quantized_decode_reference import decode_attention_reference
 
 from . import emit, header, parse_args
@@ -139,7 +139,7 @@ def check(args):
         elif kind == "causal":
             mask = "causal"
         splits = qa.decode_splits(
-            B, n_kv, q_keys[0].shape[2], -(-n_rep * L // base.DECODE_ROWS)
+            B, n_kv, q_keys[0].shape[2], -(-n_rep * L // qa.DECODE_ROWS)
         )
         out = qa.quantized_decode_attention(
             queries, q_keys, q_values, 0.088, mask, gs, bits, splits

@@ -55,11 +55,14 @@ from mlx.utils import tree_map
 from .._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.kernels.quantized_decode import (
+        quantized_decode_attention,
+        use_decode_kernel,
+    )
     from mlx_lm.models.base import scaled_dot_product_attention
 
     from ..caches.rotating_prealloc import _schedule
     from .bounded_attention import sdpa_backend
-    from .quantized_decode_kernel import quantized_decode_attention, use_decode_kernel
 
 # The marker of the last layer's attention scheduled on CUDA (``_schedule``).
 _previous_attention = []

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel's arithmetic (``quantized_decode_kernel``) in
+"""The CUDA decode kernel's arithmetic (``mlx_lm.kernels.quantized_decode``) in
 plain ``mx`` ops, for tests on CPU and the GPU check of ``python -m
 mlx_lm_patched.bench qdecode``. Not a patch: nothing runs it in a model."""
 

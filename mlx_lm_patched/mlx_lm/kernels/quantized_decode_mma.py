@@ -1,7 +1,6 @@
-"""The CUDA source of ``quantized_decode_kernel``'s tensor-core kernel
+"""The CUDA source of ``quantized_decode``'s tensor-core kernel
 (``mma.sync``), for query blocks of up to 8 rows a KV head over head dims
-64 and 128; its helpers are in ``quantized_decode_source``'s header. Not a
-patch: the kernel module installs it in ``mlx_lm.models.base``."""
+64 and 128; its helpers are in ``quantized_decode_source``'s header."""
 
 # One block: NW warps, each taking 16 keys at a time of the block's range
 # [split * per, (split + 1) * per), a KV head's query rows (up to 8) the n8

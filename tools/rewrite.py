@@ -472,6 +472,8 @@ def apply_to_sources(files: Dict[str, str], patch: Patch, tree: Path) -> Dict[st
             continue
         rel = module_file(split_owner(t.owner)[0], tree)
         read_file(out, rel, tree, who)
+        if isinstance(t.new, _newmods.FromModule):
+            continue  # an import: below
         siblings = [
             s for s in patch.targets if s.owner == t.owner and not is_removal(s)
         ]

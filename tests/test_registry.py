@@ -6,6 +6,7 @@ depend on which real patches exist.
 """
 
 import dataclasses
+import importlib
 import inspect
 import sys
 import warnings
@@ -15,7 +16,13 @@ import pytest
 from mlx_lm.models.cache import ChunkedKVCache
 
 import mlx_lm_patched
-from mlx_lm_patched import PatchDriftError, PatchDriftWarning, _merge, _registry
+from mlx_lm_patched import (
+    PatchDriftError,
+    PatchDriftWarning,
+    _merge,
+    _newmods,
+    _registry,
+)
 from mlx_lm_patched.caches import rotating_prealloc
 
 OWNER = "mlx_lm.models.cache:ChunkedKVCache"
@@ -126,8 +133,8 @@ def check_round_trip(patches, apply, revert):
             owner = t.resolve_owner()
             if t.new is _registry.REMOVED:
                 assert t.attr not in vars(owner)
-            else:
-                assert raw(owner, t.attr) is t.new
+            else:  # a new module (and its hooks): the module its file made
+                assert raw(owner, t.attr) is _newmods.materialize(t.attr, t.new)
             found = original[t.key][0]
             if found is not MISSING:
                 assert _registry.get_original(t.owner, t.attr) is found
@@ -411,3 +418,56 @@ def test_global_reads_off_the_bytecode_are_what_dis_says():
     assert len(codes) > 150
     for code in codes:
         assert _merge._global_reads(code) == reference(code), code.co_qualname
+
+
+def test_a_new_module_is_installed_under_its_name_and_goes_on_revert():
+    """A module upstream does not have is importable from mlx-lm while its
+    patch is applied, the same module after a revert and an apply, and gone
+    (neither in ``sys.modules`` nor an attribute of its package) reverted."""
+    import mlx_lm.models
+
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
+
+    module = sys.modules["mlx_lm.models.prompt_cache_disk"]
+    assert mlx_lm.models.prompt_cache_disk is module
+    with pytest.warns(UserWarning, match="also reverted"):
+        mlx_lm_patched.revert("prompt_cache_disk_blocks")
+    assert "mlx_lm.models.prompt_cache_disk" not in sys.modules
+    assert not hasattr(mlx_lm.models, "prompt_cache_disk")
+    with pytest.raises(ImportError):
+        importlib.import_module("mlx_lm.models.prompt_cache_disk")
+    mlx_lm_patched.apply()
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache as again
+
+    assert again is DiskPromptCache
+
+
+def test_a_new_module_needs_what_it_imports_from_other_patches():
+    """The names a new module imports that other patches add are its needs:
+    reverting the patch of one reverts the new module's patch."""
+    with pytest.warns(UserWarning, match="also reverted"):
+        reverted = mlx_lm_patched.revert("host_export")
+    assert "prompt_cache_disk" in reverted  # imports prompt_cache_state
+    assert "mlx_lm.models.prompt_cache_disk" not in sys.modules
+
+
+def test_a_module_upstream_now_has_is_a_conflict(tmp_path, monkeypatch):
+    """Where upstream has a module of a new module's name, the patch is set
+    aside rather than shadowing it."""
+    import mlx_lm.models
+
+    with pytest.warns(UserWarning, match="also reverted"):
+        mlx_lm_patched.revert("prompt_cache_dir")
+    (tmp_path / "prompt_cache_read.py").write_text("UPSTREAM = True\n")
+    monkeypatch.setattr(
+        mlx_lm.models, "__path__", [*mlx_lm.models.__path__, str(tmp_path)]
+    )
+    (target,) = [t for t in _patch("prompt_cache_dir").targets if "read" in t.attr]
+    with pytest.raises(_merge.MergeConflict, match="now exists upstream"):
+        target.resolve()
+    with pytest.warns(PatchDriftWarning, match="prompt_cache_read now exists"):
+        assert "prompt_cache_dir" not in mlx_lm_patched.apply("prompt_cache_dir")
+
+
+def _patch(name):
+    return next(p for p in mlx_lm_patched.PATCHES if p.name == name)

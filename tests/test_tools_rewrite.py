@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.cache import _BaseCache
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry
+from mlx_lm_patched import _newmods, _registry
 from mlx_lm_patched._registry import REMOVED, Patch, Target, class_patch
 from tools import rewrite, testedits
 from tools.check import added_tests_alone, check_patches, check_uses
@@ -530,3 +530,30 @@ def test_a_class_patch_s_attribute_is_written_as_its_expression(tmp_path):
     patch.write_text("class _Cache:\n    tail = 64 if on() else 0\n")
     lines = rewrite._assignment_lines("tail", "mlx_lm.models.cache.Cache", str(patch))
     assert lines == ["    tail = 64 if on() else 0\n"]
+
+
+def test_a_new_module_is_a_new_file_and_upstreams_file_gets_its_import(sdist, tmp_path):
+    """A patch's new modules are new files in its diff, as written; the
+    upstream file gets only their import, placed as isort places it; the
+    series applies with ``patch`` and the patched modules import (no
+    import circle)."""
+    from mlx_lm_patched.kernels import quantized_decode_kernel
+    from tools.sdist import import_errors
+    from tools.series import apply_series
+
+    patch = quantized_decode_kernel.PATCH
+    series = generate([patch], sdist, tmp_path)
+    diff = series.files["01-quantized_decode_kernel.patch"]
+    new = [t.new for t in patch.targets if isinstance(t.new, _newmods.NewModule)]
+    for module in new:
+        assert f"--- /dev/null\n+++ b/{module.file}\n" in diff
+        assert series.final[module.file] == module.path.read_text()
+    base = series.final["mlx_lm/models/base.py"]
+    hook = "from ..kernels.quantized_decode import quantized_decode_attention, "
+    assert f"\n\n{hook}use_decode_kernel\n" in base
+    assert "def quantized_decode_attention" not in base
+    assert isort.code(base, profile="black") == base
+    write_patches(series, tmp_path)
+    tree = fresh_tree(tmp_path / "tree")
+    assert all(a.ok for a in apply_series(tree, tmp_path))
+    assert import_errors(tree, ["mlx_lm/models/base.py", new[-1].file]) == []

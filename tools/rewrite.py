@@ -364,10 +364,10 @@ def _names_key(name: str) -> Tuple[int, str]:
     return kind, name.lower()
 
 
-def _add_import(text: str, own: str, home: str, name: str) -> str:
+def _add_import(text: str, own: str, home: str, name: str, new=False) -> str:
     """``text`` (module ``own``) with ``name`` added to its relative ``from``
-    import of module ``home`` (a new one where it has none), written as
-    black and isort write it."""
+    import of module ``home`` (with ``new``, a new one where it has none:
+    a hook's), written as black and isort write it."""
     level, relative = _relative(own, home)
     found = [
         n
@@ -376,6 +376,8 @@ def _add_import(text: str, own: str, home: str, name: str) -> str:
         and n.level == level
         and (n.module or "") == relative
     ]
+    if not found and not new:
+        raise GenerateError(f"{own} has no 'from .{relative} import' to add {name} to")
     lines = lines_of(text)
     if found:
         node = found[0]
@@ -389,10 +391,10 @@ def _add_import(text: str, own: str, home: str, name: str) -> str:
             start = end = start + 1
     names = sorted(names + [name], key=_names_key)
     head = f"from {'.' * level}{relative} import "
-    new = [head + ", ".join(names) + "\n"]
-    if end - start > 1 or len(new[0]) > 89:  # 88 and its newline
-        new = [head + "(\n"] + [f"    {n},\n" for n in names] + [")\n"]
-    lines[start:end] = new
+    statement = [head + ", ".join(names) + "\n"]
+    if end - start > 1 or len(statement[0]) > 89:  # 88 and its newline
+        statement = [head + "(\n"] + [f"    {n},\n" for n in names] + [")\n"]
+    lines[start:end] = statement
     return "".join(lines)
 
 
@@ -404,7 +406,8 @@ def _place_module_level(text: str, t: Target, origin=None) -> str:
         return text
     home = imported_from(t)
     if home:
-        return _add_import(text, split_owner(t.owner)[0], home, t.attr)
+        hook = isinstance(t.new, _newmods.FromModule)
+        return _add_import(text, split_owner(t.owner)[0], home, t.attr, hook)
     lines = lines_of(text)
     new = replacement_lines(t.new, t.attr, "", origin)
     if isinstance(t.new, types.ModuleType):

@@ -106,6 +106,16 @@ def materialize(attr: str, new):
     return new
 
 
+def imports(name: str, module: str) -> bool:
+    """Whether the new module ``name`` imports ``module``, itself or through
+    other new modules."""
+    new = NewModule(name)
+    if not new.path.exists():
+        return False
+    found = {m for m, _ in new.imports()}
+    return module in found or any(imports(m, module) for m in found - {name})
+
+
 def added(adds: Dict[str, Set[str]], module: str, name: str) -> Optional[str]:
     """The object (``Target.name``) a patch adds (``adds``: module -> names)
     that ``from module import name`` reads: the module or the name, if new."""

@@ -234,4 +234,7 @@ def test_project_wheel_ships_only_the_runtime_package(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"mlx_lm_patched", wheel.name.split("-py3")[0] + ".dist-info"}
     assert "mlx_lm_patched/_registry.py" in names
+    # the files of the modules patches add to mlx-lm
+    assert "mlx_lm_patched/mlx_lm/models/prompt_cache_disk.py" in names
+    assert "mlx_lm_patched/mlx_lm/kernels/quantized_decode.py" in names
     assert not [n for n in names if "upstream" in n or "tools" in n]

@@ -367,7 +367,8 @@ def _names_key(name: str) -> Tuple[int, str]:
 def _add_import(text: str, own: str, home: str, name: str, new=False) -> str:
     """``text`` (module ``own``) with ``name`` added to its relative ``from``
     import of module ``home`` (with ``new``, a new one where it has none:
-    a hook's), written as black and isort write it."""
+    a hook's; last in the file where ``home`` imports ``own``, so either
+    imports first), written as black and isort write it."""
     level, relative = _relative(own, home)
     found = [
         n
@@ -383,6 +384,10 @@ def _add_import(text: str, own: str, home: str, name: str, new=False) -> str:
         node = found[0]
         names = [a.name + (f" as {a.asname}" if a.asname else "") for a in node.names]
         start, end = node.lineno - 1, node.end_lineno
+    elif _newmods.imports(home, own):
+        names, start = [], len(lines) + 2
+        end = start
+        lines += ["\n", "\n"]
     else:
         names, start = [], _new_import_line(text, level, relative)
         end = start

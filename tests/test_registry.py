@@ -425,7 +425,6 @@ def test_a_new_module_is_installed_under_its_name_and_goes_on_revert():
     patch is applied, the same module after a revert and an apply, and gone
     (neither in ``sys.modules`` nor an attribute of its package) reverted."""
     import mlx_lm.models
-
     from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     module = sys.modules["mlx_lm.models.prompt_cache_disk"]

@@ -151,7 +151,7 @@ def parse_diff(diff: str) -> List[Tuple[List[str], List[str]]]:
     lines each ``@@`` hunk finds and what it puts there (the numbers in the
     ``@@`` line are not read; a blank line is a blank line of context)."""
     hunks: List[Tuple[List[str], List[str]]] = []
-    for line in diff.splitlines(True):
+    for line in diff.lstrip("\n").splitlines(True):
         if line.startswith("@@"):
             hunks.append(([], []))
             continue

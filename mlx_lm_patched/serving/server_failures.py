@@ -21,6 +21,11 @@ core and slowed everyone else 12x). ``handle_completion`` now looks at the
 connection after every token and progress report of a non-stream request
 (``_client_disconnected``: a poll, then a peek) and cancels as a stream does.
 A request that cannot start because the server is stopping gets a 503.
+
+A request whose sampler or logits processor raises in a batch step (a
+``top_k`` or ``logit_bias`` id past the vocabulary) gets the error and
+leaves the batch (``_failing_alone``, in ``_generate``); upstream's step
+raised out of ``_generate`` and ended the thread with every request in it.
 """
 
 import json
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING, List
 
 from mlx_lm.server import CompletionRequest
 
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import socket
@@ -48,6 +53,21 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
+def _failing_alone(fn, errors, fallback):
+    """``fn``, keeping what it raises in ``errors`` and answering as
+    ``fallback`` instead: one request's sampler or logits processor fails
+    that request, not the batch step."""
+
+    def call(*args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            errors.append(e)
+            return fallback(*args)
+
+    return call
+
+
 class ResponseGenerator:
     def _run_generate(self):
         # The requests the generation thread took: failed if it fails.
@@ -319,11 +339,75 @@ class APIHandler:
             ctx.stop()
 
 
+# ResponseGenerator._generate: a request's sampler or logits processor that
+# raises in a batch step fails that request, not the step.
+_GENERATE = """\
+@@ -65,13 +65,24 @@
+                     )
+                     timing["tokenize"] = time.perf_counter()
++                    # server_failures: what a request's arguments raise,
++                    # here or in a batch step, fails that request alone.
++                    stop_sequences, text_sm = self._make_state_machine(
++                        self.model_provider.model_key,
++                        current_tokenizer,
++                        args.stop_words,
++                    )
++                    errors = []
++                    sampler = _failing_alone(
++                        _make_sampler(args, current_tokenizer),
++                        errors,
++                        lambda logprobs: mx.argmax(logprobs, axis=-1),
++                    )
++                    logits_processors = [
++                        _failing_alone(p, errors, lambda _, logits: logits)
++                        for p in _make_logits_processors(args)
++                    ]
+                 except Exception as e:
+                     rqueue.put(e)
+                     continue
+ 
+-                stop_sequences, text_sm = self._make_state_machine(
+-                    self.model_provider.model_key,
+-                    current_tokenizer,
+-                    args.stop_words,
+-                )
+-
+                 self._log_cache_stats()
+@@ -107,6 +118,6 @@
+                     caches=[cache],
+                     all_tokens=[prompt[:prompt_cache_count]],
+-                    samplers=[_make_sampler(args, current_tokenizer)],
+-                    logits_processors=[_make_logits_processors(args)],
++                    samplers=[sampler],
++                    logits_processors=[logits_processors],
+                     stop_sequences=[stop_sequences],
+                 )
+@@ -117,4 +128,5 @@
+                     "segment_types": segment_types[::-1],
+                     "top_logprobs": args.top_logprobs,
++                    "errors": errors,
+                     "timing": timing,
+                 }
+@@ -184,4 +196,10 @@
+             for _ in self._time_budget:
+                 prompt_responses, gen_responses = batch_generator.next()
++                # server_failures: a request whose sampler or logits
++                # processor raised gets the error and leaves the batch.
++                for result in batch_results.values():
++                    if result["errors"] and not result["ctx"]._should_stop:
++                        result["rqueue"].put(result["errors"][0])
++                        result["ctx"].stop()
+                 if not prompt_responses and not gen_responses:
+                     break
+"""
+
+
 PATCH = Patch(
     "server_failures",
     "server: a failing request fails alone, with an error to its client; "
     "a non-stream request whose client left is cancelled",
-    targets("mlx_lm.server", select, weakref)
+    targets("mlx_lm.server", select, weakref, _failing_alone)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE)
     + targets("mlx_lm.server:APIHandler", APIHandler),
 )

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Optional
 
 from mlx_lm.server import APIHandler, CompletionRequest, GenerationArguments
 
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import warnings
@@ -269,6 +269,18 @@ class ResponseGenerator:
         return ctx, _inner()
 
 
+# ResponseGenerator._generate: a stopped server ends its batch at the next step.
+_GENERATE = """\
+@@ -196,4 +196,6 @@
+             uids_to_remove = []
+             for _ in self._time_budget:
++                if self._stop:  # server_http: stopped at the next step
++                    break
+                 prompt_responses, gen_responses = batch_generator.next()
+                 # server_failures: a request whose sampler or logits
+"""
+
+
 PATCH = Patch(
     "server_http",
     "server: a listen backlog, bounded handler threads (503 past them) and "
@@ -283,5 +295,6 @@ PATCH = Patch(
         _run_http_server,
         STOP_SECONDS=STOP_SECONDS,
     )
-    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE),
 )

@@ -8,7 +8,7 @@ conversation's cache grows with it, and so does every prompt cache entry
 of N tokens keeping the first 4, sliding layers keep a window no larger
 (``max_kv_size``). Requests served one at a time (a seed, images, a draft
 model) get them from ``_serve_single`` here, batched ones from
-``BatchGenerator(max_kv_size=...)`` (``server_kv_bits``'s ``_generate``).
+``BatchGenerator(max_kv_size=...)`` (in ``_generate``).
 The prompt cache, ``--kv-bits`` (quantized rings), ``--prompt-cache-bits``
 and ``--prompt-cache-dir`` take the rings as they take a sliding-window
 model's.
@@ -16,7 +16,7 @@ model's.
 
 from typing import TYPE_CHECKING
 
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import mlx.core as mx
@@ -161,9 +161,21 @@ class ResponseGenerator:
             rqueue.put(e)
 
 
+# ResponseGenerator._generate: the batched requests' caches bounded too.
+_GENERATE = """\
+@@ -164,4 +164,5 @@
+                     prefill_step_size=self.cli_args.prefill_step_size,
+                     stream=generation_stream,
++                    max_kv_size=getattr(self.cli_args, "max_kv_size", None),
+                     kv_bits=self.cli_args.kv_bits,
+                     kv_group_size=self.cli_args.kv_group_size,
+"""
+
+
 PATCH = Patch(
     "server_max_kv_size",
     "server: --max-kv-size N makes every conversation's cache a ring of N tokens",
-    targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
+    targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE),
     requires=("mlx_lm.models.cache:_bound_layers",),
 )

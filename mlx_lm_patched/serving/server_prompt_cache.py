@@ -7,7 +7,9 @@ served one at a time (``_serve_single``), grow it past the budget
 (ml-explore/mlx-lm#1390, #1807). Here ``run`` gives the prompt cache
 ``max_bytes``, so every insert evicts down to the budget on every path; the
 batched path also trims after every batch step to the budget less what the
-running batch holds (``server_kv_bits``'s ``_generate``). The size the
+running batch holds (an edit of ``_generate``, which also logs each
+request's prompt-cache timings at DEBUG and hands a disk tier the batch's
+prefill counters, from which it judges whether a restore from disk pays). The size the
 server logs before each request is exact (``... 0.00 GB (1638400 B)``):
 GB to two decimals hid every budget under 5 MB.
 
@@ -48,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from mlx_lm.server import APIHandler, ModelProvider
 
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import argparse
@@ -205,6 +207,27 @@ def _prompt_cache_dir(x: str, mode: int = 0o600) -> str:
     return x
 
 
+def _log_timing(timing, phase):
+    """Log a request's breakdown at DEBUG: the milliseconds each phase took
+    (``first_token``: from joining the batch, ``segments`` the inserts at
+    its segments' ends within it; ``store``: its entry's insert once
+    answered), each phase logged once."""
+    if phase in timing:
+        return
+    timing[phase] = time.perf_counter()
+    if phase == "first_token":
+        steps = ("tokenize", "prepare", "fetch", "insert", "first_token")
+        before = ["start", *steps]
+    else:
+        steps, before = ("store",), ("done",)
+    parts = " ".join(
+        f"{k}={(timing[k] - timing[b]) * 1e3:.1f}ms" for k, b in zip(steps, before)
+    )
+    if phase == "first_token":  # of which the inserts at segment ends
+        parts += f" segments={timing.get('segments', 0.0) * 1e3:.1f}ms"
+    logging.debug(f"prompt-cache timing: {parts}")
+
+
 class ResponseGenerator:
     def _log_cache_stats(self):
         n_sequences = len(self.prompt_cache)
@@ -227,6 +250,107 @@ class ResponseGenerator:
                 f"{disk.queued} queued ({disk.queued_bytes} B), "
                 f"{disk.dropped} dropped"
             )
+
+
+# ResponseGenerator._generate: the budget after every batch step, each
+# request's timings, the disk tier's prefill counters.
+_GENERATE = """\
+@@ -22,4 +22,11 @@
+         else:
+             return self._next_request(timeout)
+ 
++    def hold_prompt_cache_bytes():
++        # The prompt cache and the running batch within --prompt-cache-bytes
++        if self.model_provider.cli_args.prompt_cache_bytes is not None:
++            total = self.model_provider.cli_args.prompt_cache_bytes
++            active = batch_generator.prompt_cache_nbytes
++            self.prompt_cache.trim_to(n_bytes=total - active)
++
+     if self._is_distributed:
+@@ -52,8 +59,10 @@
+                 and batchable
+             ):
++                timing = {"start": time.perf_counter()}
+                 try:
+                     prompt, segments, segment_types, initial_state, _ = (
+                         self._tokenize(current_tokenizer, request, args)
+                     )
++                    timing["tokenize"] = time.perf_counter()
+                 except Exception as e:
+                     rqueue.put(e)
+@@ -67,7 +76,9 @@
+ 
+                 self._log_cache_stats()
++                timing["prepare"] = time.perf_counter()
+                 cache, rest = self.prompt_cache.fetch_nearest_cache(
+                     current_model_key, prompt
+                 )
++                timing["fetch"] = time.perf_counter()
+                 prompt_cache_count = len(prompt) - len(rest)
+                 N = prompt_cache_count
+@@ -106,12 +117,11 @@
+                     "segment_types": segment_types[::-1],
+                     "top_logprobs": args.top_logprobs,
++                    "timing": timing,
+                 }
++                timing["insert"] = time.perf_counter()
+                 # just making sure we don't leave a reference around
+                 del cache
+ 
+-                if self.model_provider.cli_args.prompt_cache_bytes is not None:
+-                    total = self.model_provider.cli_args.prompt_cache_bytes
+-                    active = batch_generator.prompt_cache_nbytes
+-                    self.prompt_cache.trim_to(n_bytes=total - active)
++                hold_prompt_cache_bytes()
+                 continue
+ 
+@@ -146,4 +156,7 @@
+                     quantized_kv_start=self.cli_args.quantized_kv_start,
+                 )
++                # The disk tier's cost model reads how fast it prefills.
++                if hasattr(self.prompt_cache, "prefill_counters"):
++                    self.prompt_cache.prefill_counters = batch_generator._counters
+                 unprocessed_requests.append((rqueue, request, args))
+                 continue
+@@ -191,4 +204,6 @@
+                 caches = batch_generator.extract_cache(eos_ids)
+                 for uid, (cache, cache_key) in caches.items():
++                    timing = batch_results[uid]["timing"]
++                    at = time.perf_counter()
+                     self.prompt_cache.insert_cache(
+                         self.model_provider.model_key,
+@@ -197,8 +212,12 @@
+                         cache_type=batch_results[uid]["segment_types"].pop(),
++                    )
++                    timing["segments"] = timing.get("segments", 0.0) + (
++                        time.perf_counter() - at
+                     )
+                 del caches
+ 
+                 for r in gen_responses:
+                     result = batch_results[r.uid]
++                    _log_timing(result["timing"], "first_token")
+ 
+                     # Don't decode the final stop token
+@@ -230,4 +249,5 @@
+                     if r.finish_reason is not None:
+                         result["rqueue"].put(None)
++                        result["timing"]["done"] = time.perf_counter()
+                         self.prompt_cache.insert_cache(
+                             current_model_key,
+@@ -236,8 +256,11 @@
+                             cache_type="assistant",
+                         )
++                        _log_timing(result["timing"], "store")
+                         del batch_results[r.uid]
+ 
+                     if result["ctx"]._should_stop:
+                         uids_to_remove.append(r.uid)
+ 
++                hold_prompt_cache_bytes()
++
+             uids_to_remove = self._share_object(uids_to_remove)
+"""
 
 
 def main():
@@ -505,8 +629,17 @@ PATCH = Patch(
     "(--prompt-cache-mode); a start-up line with the entries found and the "
     "budgets; bad sizes and "
     "directories are one-line errors",
-    targets("mlx_lm.server", run, main, _file_mode, _parse_byte_size, _prompt_cache_dir)
-    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
+    targets(
+        "mlx_lm.server",
+        run,
+        main,
+        _file_mode,
+        _parse_byte_size,
+        _prompt_cache_dir,
+        _log_timing,
+    )
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
         "mlx_lm.models.cache:DiskLRUPromptCache",

@@ -22,14 +22,12 @@ _IS_BATCHABLE = """\
 """
 
 _GENERATE = """\
-@@ -142,4 +142,7 @@
-                     prefill_step_size=self.cli_args.prefill_step_size,
+@@ -143,2 +143,5 @@
                      stream=generation_stream,
 +                    kv_bits=self.cli_args.kv_bits,
 +                    kv_group_size=self.cli_args.kv_group_size,
 +                    quantized_kv_start=self.cli_args.quantized_kv_start,
                  )
-                 unprocessed_requests.append((rqueue, request, args))
 """
 
 PATCH = Patch(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, List
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-from .._registry import Patch, edits, cache_class, targets
+from .._registry import Patch, cache_class, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, dynamic_roll

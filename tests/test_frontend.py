@@ -21,7 +21,7 @@ STATE = """
 import importlib
 import json
 import mlx_lm_patched
-from mlx_lm_patched import _newmods, _registry
+from mlx_lm_patched import _registry
 
 def upstream(t):
     try:
@@ -30,9 +30,7 @@ def upstream(t):
         return True
     if t.new is _registry.REMOVED:
         return t.attr in vars(owner)
-    if _newmods.lazy(t.new):  # a new module or its import: upstream has none
-        return not hasattr(owner, t.attr)
-    return getattr(owner, t.attr, None) is not t.new
+    return getattr(owner, t.attr, None) is not _registry._installed.get(t.key, t.new)
 
 print(json.dumps({
     p.name: [_registry.is_applied(p.name), all(upstream(t) for t in p.targets)]

@@ -13,14 +13,15 @@ stderr. A ``max_kv_size`` below 1 raises ``ValueError`` before anything is
 built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
 """
 
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List
 
-import mlx.nn as nn
-
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import (
+        KVCache,
+        RotatingKVCache,
+    )
 
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).
@@ -68,45 +69,35 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
         )
 
 
-def make_prompt_cache(
-    model: nn.Module,
-    max_kv_size: Optional[int] = None,
-) -> List[Any]:
-    """
-    Construct the model's cache for use in generation.
-
-    This function will defer the cache construction to the model if it has a
-    ``make_cache`` method, otherwise it will make a default KV cache.
-
-    Args:
-        model (nn.Module): The language model.
-        max_kv_size (Optional[int]): If provided (at least 1), full-attention
-            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
-            the first 4) and sliding layers a window no larger than
-            ``max_kv_size``.
-    """
-    if max_kv_size is not None and max_kv_size < 1:
-        raise ValueError(
-            f"max_kv_size must be >= 1 (tokens a layer), got {max_kv_size}"
-        )
-    if hasattr(model, "make_cache"):
-        cache = model.make_cache()
-        if max_kv_size is not None:
-            _bound_layers(model, cache, max_kv_size)
-        return cache
-
-    num_layers = len(model.layers)
-    if max_kv_size is not None:
-        return [
-            RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
-        ]
-    else:
-        return [KVCache() for _ in range(num_layers)]
+# make_prompt_cache: a model's own cache bounded too.
+_MAKE_PROMPT_CACHE = r'''@@ -12,8 +12,16 @@
+         model (nn.Module): The language model.
+-        max_kv_size (Optional[int]): If provided and the model does not have a
+-            ``make_cache`` method, a ``RotatingKVCache`` is used with a maximum
+-            size of ``max_kv_size``
++        max_kv_size (Optional[int]): If provided (at least 1), full-attention
++            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
++            the first 4) and sliding layers a window no larger than
++            ``max_kv_size``.
+     """
++    if max_kv_size is not None and max_kv_size < 1:
++        raise ValueError(
++            f"max_kv_size must be >= 1 (tokens a layer), got {max_kv_size}"
++        )
+     if hasattr(model, "make_cache"):
+-        return model.make_cache()
++        cache = model.make_cache()
++        if max_kv_size is not None:
++            _bound_layers(model, cache, max_kv_size)
++        return cache
+ 
+'''
 
 
 PATCH = Patch(
     "max_kv_size",
     "make_prompt_cache: honour max_kv_size for models with make_cache",
     targets("mlx_lm.models.cache", _bounded_logged=_bounded_logged)
-    + targets("mlx_lm.models.cache", _bound_layers, make_prompt_cache),
+    + targets("mlx_lm.models.cache", _bound_layers)
+    + edits("mlx_lm.models.cache", make_prompt_cache=_MAKE_PROMPT_CACHE),
 )

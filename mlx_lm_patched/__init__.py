@@ -115,6 +115,7 @@ PATCHES: List[_registry.Patch] = [
 ]
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)
+_registry.check_needs(PATCHES)
 
 
 def _select(names) -> List[_registry.Patch]:

@@ -13,6 +13,8 @@ them.
 """
 
 import builtins
+import dis
+import functools
 import importlib
 import inspect
 import sys
@@ -150,8 +152,11 @@ class Patch:
 
     def __post_init__(self):
         for t in self.targets:
+            _modules.add(t.owner.partition(":")[0])
             if ":" not in t.owner and t.fingerprint is None:
                 _adds.setdefault(t.owner, set()).add(t.attr)
+            elif ":" in t.owner and t.fingerprint is None and t.new is not REMOVED:
+                _fields.setdefault(t.attr, set()).add(t.name)
 
     def unbound(self) -> List[str]:
         """The global names its code reads that neither the module it runs
@@ -280,6 +285,9 @@ def targets(owner: str, *objects: Any, removes: Sequence[str] = (), **named: Any
 
 # module -> the names patches add to it (upstream has none)
 _adds: Dict[str, set] = {}
+_modules: set = set()  # the upstream modules patches change
+# attribute -> the targets (``Target.name``) that add it to an upstream class
+_fields: Dict[str, set] = {}
 # (owner, attr) -> the upstream object, or _MISSING where upstream had none
 _saved: Dict[Tuple[str, str], Any] = {}
 # (owner, attr) -> the object installed there (ours, or ours merged)
@@ -374,6 +382,20 @@ def check_requires(patches: List[Patch]):
         known |= {patch.name} | {t.name for t in patch.targets}
 
 
+def check_needs(patches: List[Patch]):
+    """Raise if a patch's code reads an object (a global name, a class
+    attribute) that only a later patch provides: reverting or setting aside
+    that one would leave it failing."""
+    provider = {t.name: p.name for p in patches for t in p.targets}
+    seen: set = set()
+    for patch in patches:
+        later = [n for n in _needs(patch.targets) if provider.get(n, "") not in seen]
+        later = [n for n in later if n in provider and provider[n] != patch.name]
+        if later:
+            raise ValueError(f"patch {patch.name!r} reads {later}, of later patches")
+        seen.add(patch.name)
+
+
 def _is_helper(t: Target) -> bool:
     """A new module-level object that is not a class: inert until called, it
     stays installed for the patches that use it when its own patch cannot."""
@@ -382,7 +404,7 @@ def _is_helper(t: Target) -> bool:
 
 def _needs(targets: List[Target]) -> List[str]:
     """The objects (``Target.name``) other patches add that ``targets``' code
-    reads."""
+    reads: global names, and attributes (``_attribute_needs``)."""
     own = {t.key for t in targets}
     out = set()
     for t in targets:
@@ -394,7 +416,64 @@ def _needs(targets: List[Target]) -> List[str]:
                 for n in added & _global_reads(fn.__code__)
                 if (module, n) not in own
             )
-    return sorted(out)
+    return sorted(out | _attribute_needs(targets))
+
+
+@functools.lru_cache(maxsize=None)
+def _attributes(code: types.CodeType) -> Tuple[frozenset, frozenset]:
+    """The attribute names ``code`` (and the code nested in it) reads, and
+    those it sets."""
+    reads, sets = set(), set()
+    for op in dis.get_instructions(code):
+        if op.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
+            reads.add(op.argval)
+        elif op.opname == "STORE_ATTR":
+            sets.add(op.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            more = _attributes(const)
+            reads |= more[0]
+            sets |= more[1]
+    return frozenset(reads), frozenset(sets)
+
+
+@functools.lru_cache(maxsize=None)
+def _upstream_fields(modules: frozenset) -> frozenset:
+    """The attributes upstream's classes in ``modules`` define or their
+    methods set: what a patch may read without another patch."""
+    out = set()
+    for module in modules:
+        for cls in vars(importlib.import_module(module)).values():
+            if not inspect.isclass(cls) or cls.__module__ != module:
+                continue
+            owner = f"{module}:{cls.__qualname__}"
+            for attr in set(vars(cls)) | {a for o, a in _saved if o == owner}:
+                obj = _saved.get((owner, attr), vars(cls).get(attr, _MISSING))
+                if obj is _MISSING:
+                    continue
+                out.add(attr)
+                for fn in functions(obj):
+                    if isinstance(fn, types.FunctionType):
+                        out |= _attributes(fn.__code__)[1]
+    return frozenset(out)
+
+
+def _attribute_needs(targets: List[Target]) -> set:
+    """The class attributes ``targets``' code reads that upstream lacks and
+    other patches add (``_fields``), on the class ``targets`` patch where one
+    adds it there. Instance state other patches read is declared as such a
+    field (``checkpoints = ()``), so its patch is known."""
+    own = {t.attr for t in targets if ":" in t.owner}
+    mine = {t.name for t in targets}
+    upstream = _upstream_fields(frozenset(_modules))
+    out = set()
+    for t in targets:
+        for fn in functions(t.new):
+            for attr in _attributes(fn.__code__)[0] - own - upstream:
+                found = _fields.get(attr, set()) - mine
+                here = {f for f in found if f.startswith(t.owner + ".")}
+                out |= here or found
+    return out
 
 
 def requirements(patch: Patch) -> List[str]:

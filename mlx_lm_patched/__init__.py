@@ -19,18 +19,30 @@ except ImportError as e:  # MLX's Linux wheel without a back-end
         '`pip install "mlx-lm-patched[cpu]"` (or [cuda12], [cuda13])'
     ) from e
 
-from . import (
-    _registry,
-    batch_generator_kv_bits,
+from . import _registry
+from ._registry import (
+    UPSTREAM_VERSION,
+    PatchDriftError,
+    PatchDriftWarning,
+    fingerprint,
+    get_original,
+)
+from .caches import (
     batch_quantized,
     batch_rotating_prealloc,
     batch_rotating_rows,
-    bounded_attention,
-    generate_kv_checks,
     host_export,
     kvcache_pipeline,
     max_kv_size,
     negative_trim,
+    quantized_cache,
+    quantized_ring,
+    ring_trim_slack,
+    rotating_prealloc,
+)
+from .generation import batch_generator_kv_bits, generate_kv_checks, speculative_bounded
+from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
+from .prompt_cache import (
     prompt_cache_blocks,
     prompt_cache_checkpoints,
     prompt_cache_dir,
@@ -38,12 +50,8 @@ from . import (
     prompt_cache_disk_blocks,
     prompt_cache_files,
     prompt_cache_store,
-    quantized_attention,
-    quantized_cache,
-    quantized_decode_kernel,
-    quantized_ring,
-    ring_trim_slack,
-    rotating_prealloc,
+)
+from .serving import (
     server_failures,
     server_http,
     server_kv_bits,
@@ -51,14 +59,6 @@ from . import (
     server_models,
     server_prompt_cache,
     server_requests,
-    speculative_bounded,
-)
-from ._registry import (
-    UPSTREAM_VERSION,
-    PatchDriftError,
-    PatchDriftWarning,
-    fingerprint,
-    get_original,
 )
 
 __version__ = "0.1.0"

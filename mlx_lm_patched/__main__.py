@@ -37,7 +37,7 @@ def status():
 def demo_model():
     """Only the path goes to stdout (training reports on stderr), so that
     ``MODEL=$(python -m mlx_lm_patched demo-model)`` works."""
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     print(tiny.demo_model_dir())
     return 0

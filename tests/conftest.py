@@ -10,7 +10,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry, tiny
+from mlx_lm_patched import _registry
+from mlx_lm_patched.demo import tiny
 
 
 def applied_patches():

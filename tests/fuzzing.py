@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.base import scaled_dot_product_attention
 from ringref import attend, random_kv
 
-from mlx_lm_patched import quantized_cache
+from mlx_lm_patched.caches import quantized_cache
 
 EXAMPLES = int(os.environ.get("MLX_LM_PATCHED_FUZZ_EXAMPLES", "100"))
 H, Q = 2, 4  # key/value heads, query heads (grouped-query attention)

@@ -7,7 +7,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from ringref import PROMPTS, single_stream
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from ringref import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 
 def random_session(rng, keep=0, window=None):

@@ -11,8 +11,8 @@ from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 from ringref import fake_backend, reference_mask, same
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
-from mlx_lm_patched.bounded_attention import scaled_dot_product_attention
+from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.kernels.bounded_attention import scaled_dot_product_attention
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
 

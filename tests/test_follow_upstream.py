@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import mlx_lm_patched
-from mlx_lm_patched import _merge, _registry, tiny
+from mlx_lm_patched import _merge, _registry
+from mlx_lm_patched.demo import tiny
 from tools.simulate import simulated_release
 
 MARK_TEXT = "_simulated.add('mlx_lm.generate:stream_generate')"

@@ -12,7 +12,7 @@ import pytest
 from ringref import python
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny, tiny_train
+from mlx_lm_patched.demo import tiny, tiny_train
 
 PROMPT = " ".join(tiny.TEXT.split()[:60])
 
@@ -235,7 +235,7 @@ def test_demo_shows_only_steady_figures_and_a_next_command_that_runs(tiny_model_
     assert "Generation: 8 tokens" in done.stdout
 
 
-# mlx_lm_patched.tiny, the models the tests and the demo run on.
+# mlx_lm_patched.demo.tiny, the models the tests and the demo run on.
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import batch_generate, generate_step
 from ringref import python
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 PROMPT = " ".join(tiny.TEXT.split()[:60])
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import (
 )
 from ringref import pipeline_calls, same
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 CACHES = {
     "KVCache": KVCache,

@@ -9,7 +9,8 @@ from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from mlx_lm_patched import max_kv_size, tiny
+from mlx_lm_patched.caches import max_kv_size
+from mlx_lm_patched.demo import tiny
 
 PROMPT = " ".join(tiny.TEXT.split()[:60])
 

@@ -327,7 +327,7 @@ def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
     256): a chat whose long user message is edited near its end reports the
     tokens up to the checkpoint before the edit as cached, and logs a prefill
     of only the rest."""
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     port = free_port()
     model = make_tiny_dir("gemma3_text", sliding_window=256)

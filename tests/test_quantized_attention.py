@@ -16,7 +16,7 @@ from ringref import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory", "cpu_device")
 

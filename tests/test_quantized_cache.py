@@ -32,7 +32,8 @@ from ringref import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import quantized_cache, tiny
+from mlx_lm_patched.caches import quantized_cache
+from mlx_lm_patched.demo import tiny
 
 pytestmark = pytest.mark.usefixtures("patched", "exact_active_memory")
 

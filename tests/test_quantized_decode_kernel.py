@@ -18,10 +18,10 @@ from mlx_lm.models.cache import RotatingKVCache
 from ringref import fake_backend, random_kv, single_stream
 
 import mlx_lm_patched
-from mlx_lm_patched import quantized_decode_kernel as qa
-from mlx_lm_patched import tiny
-from mlx_lm_patched.quantized_decode_mma import _DECODE_MMA
-from mlx_lm_patched.quantized_decode_reference import decode_attention_reference
+from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.kernels import quantized_decode_kernel as qa
+from mlx_lm_patched.kernels.quantized_decode_mma import _DECODE_MMA
+from mlx_lm_patched.kernels.quantized_decode_reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("patched", "cpu_device")
 
@@ -204,7 +204,7 @@ def test_a_kernel_s_source_comes_from_files_its_call_includes(
     a file named by its hash in a folder of this user's alone; a file
     changed on disk is written again before use, and a folder others may
     write to, or none at all, keeps the source in the call."""
-    from mlx_lm_patched import quantized_decode_source as src
+    from mlx_lm_patched.kernels import quantized_decode_source as src
 
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw))

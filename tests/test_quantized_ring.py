@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 from ringref import data_pointer, random_kv, reference_mask, same, same_mask, save_load
 
 import mlx_lm_patched  # noqa: F401,E402  (applies the patches when run as a script)
-from mlx_lm_patched import tiny  # noqa: E402
+from mlx_lm_patched.demo import tiny  # noqa: E402
 
 QuantizedRotatingKVCache = cache_module.QuantizedRotatingKVCache
 
@@ -353,7 +353,7 @@ def test_quantized_logits_stay_close_to_the_unquantized_run(patched, load_tiny):
 
 
 if __name__ == "__main__":
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     report = {}
     runs = [("llama", 128), ("llama", None), ("gemma3_text", None)]

@@ -15,13 +15,8 @@ import pytest
 from mlx_lm.models.cache import ChunkedKVCache
 
 import mlx_lm_patched
-from mlx_lm_patched import (
-    PatchDriftError,
-    PatchDriftWarning,
-    _merge,
-    _registry,
-    rotating_prealloc,
-)
+from mlx_lm_patched import PatchDriftError, PatchDriftWarning, _merge, _registry
+from mlx_lm_patched.caches import rotating_prealloc
 
 OWNER = "mlx_lm.models.cache:ChunkedKVCache"
 MISSING = object()

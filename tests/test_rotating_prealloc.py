@@ -31,7 +31,8 @@ from ringref import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import rotating_prealloc, tiny
+from mlx_lm_patched.caches import rotating_prealloc
+from mlx_lm_patched.demo import tiny
 
 
 @pytest.fixture

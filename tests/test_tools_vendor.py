@@ -173,7 +173,7 @@ def compare_vendored(tmp_path: Path, patch_dir: Path, patches: list):
     """Build the wheel from ``patch_dir``, run the scenario on it and on the
     installed mlx-lm with ``patches`` applied, and with none; return the keys
     that differ (vendored vs patched, patched vs upstream)."""
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     try:
         wheel, _ = build_wheel(tmp_path / "dist", patch_dir)

@@ -52,7 +52,7 @@ def _tiny_model_dir(path: Path, family, config, quantize, dtype) -> Path:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     config = tiny.model_config(family, **config)
     model = tiny.build_model(config, seed=0, dtype=dtype)

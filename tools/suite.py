@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Set, Tuple
 
-from mlx_lm_patched import tiny
 from mlx_lm_patched._registry import UPSTREAM_VERSION
+from mlx_lm_patched.demo import tiny
 
 from . import ROOT, hub, pytest_plugin
 from .hub import build_hub_standins, hub_cache

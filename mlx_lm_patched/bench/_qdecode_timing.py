@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 
-from mlx_lm_patched import quantized_decode_kernel as qa
+from mlx_lm_patched.kernels import quantized_decode_kernel as qa
 
 from .e2e import _fresh
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 FRONTS = {"upstream": "mlx_lm.server", "patched": "mlx_lm_patched.server"}
 # Upstream logs GB with two decimals; the patched server adds the bytes.

@@ -33,7 +33,7 @@ from mlx_lm.models import base
 from tqdm import tqdm
 
 import mlx_lm_patched
-from mlx_lm_patched import bounded_attention, quantized_attention
+from mlx_lm_patched.kernels import bounded_attention, quantized_attention
 
 from . import emit, header, parse_args
 

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.utils import load
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 from . import emit, header, parse_args
 

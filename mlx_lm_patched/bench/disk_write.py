@@ -40,7 +40,7 @@ from mlx_lm.models.cache import (
 )
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 from . import emit, header, parse_args
 

@@ -88,7 +88,7 @@ def build_parser():
 
 
 def main(argv=None):
-    from mlx_lm_patched import tiny
+    from mlx_lm_patched.demo import tiny
 
     args = parse_args(build_parser(), argv)
     mx.set_cache_limit(0)  # active memory counts what is held, not reused blocks

@@ -67,8 +67,8 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lm_patched
-from mlx_lm_patched import quantized_decode_kernel as qa
-from mlx_lm_patched.quantized_decode_reference import decode_attention_reference
+from mlx_lm_patched.kernels import quantized_decode_kernel as qa
+from mlx_lm_patched.kernels.quantized_decode_reference import decode_attention_reference
 
 from . import emit, header, parse_args
 from ._qdecode_timing import (

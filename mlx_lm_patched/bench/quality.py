@@ -17,7 +17,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.utils import load
 from tqdm import tqdm
 
-from mlx_lm_patched import tiny, tiny_train
+from mlx_lm_patched.demo import tiny, tiny_train
 
 
 def sequences(tokenizer, count, length):

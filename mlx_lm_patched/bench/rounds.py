@@ -30,7 +30,7 @@ import time
 import urllib.request
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 from . import emit, header
 

@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 
 import mlx_lm_patched
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 from . import emit, header
 from ._serve import (

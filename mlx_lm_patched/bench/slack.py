@@ -24,7 +24,8 @@ import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry, rotating_prealloc
+from mlx_lm_patched import _registry
+from mlx_lm_patched.caches import rotating_prealloc
 
 from . import emit, header, parse_args
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from ringref import free_port
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 # name: (family, overrides). Head dims 16, 96, 64 (the one upstream can
 # quantize, on a model with only full attention), 80; seeds chosen so greedy

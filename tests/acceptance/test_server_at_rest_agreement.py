@@ -13,7 +13,7 @@ to the report and docs/hardening.md, "Quantized entries at rest").
 import pytest
 from harness import REPORT, WORDS, Server
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 CASES = 8
 MAX_TOKENS = 16

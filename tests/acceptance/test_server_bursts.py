@@ -18,7 +18,7 @@ import time
 import pytest
 from harness import REPORT, Server
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 

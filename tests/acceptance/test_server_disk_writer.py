@@ -16,7 +16,7 @@ import pytest
 from harness import REPORT, WORDS, Server, system_chat
 from test_server_disk_blocks import block_files, named_blocks, written
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 SYSTEM = " ".join(WORDS[:120])  # a prefix every client shares: block files
 

@@ -14,7 +14,7 @@ import pytest
 from harness import LONG, OTHER_LONG, WORDS, Server, generate, text_of
 from test_server_prompt_cache_disk import entries, interrupt, load_entry
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 from mlx_lm_patched.server import SLACK
 
 RING = 64

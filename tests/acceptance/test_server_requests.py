@@ -18,7 +18,7 @@ import time
 import pytest
 from harness import SHORT, Server
 
-from mlx_lm_patched import tiny
+from mlx_lm_patched.demo import tiny
 
 VOCAB = tiny.VOCAB_SIZE
 VALID = {"prompt": SHORT, "max_tokens": 4, "temperature": 0}

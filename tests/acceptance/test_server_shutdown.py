@@ -18,8 +18,8 @@ import time
 import pytest
 from harness import REPORT, Server
 
-from mlx_lm_patched import tiny
-from mlx_lm_patched.prompt_cache_disk import DiskPromptCache
+from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.prompt_cache.prompt_cache_disk import DiskPromptCache
 
 # The stop's bound without a disk tier (the generation thread's and the
 # handlers'); a disk tier adds its drain bound.

@@ -1,0 +1,158 @@
+"""Prompt caches copied to host memory, saved from any thread.
+
+Servers spill prompt caches to disk on a background thread, but
+``save_prompt_cache`` evaluates MLX arrays, which must happen on the thread
+that generates; and numpy has no bfloat16, so a naive ``np.array`` upcasts
+or fails. ``prompt_cache_to_host`` copies any prompt cache's state to numpy
+on the calling thread (bfloat16 as its uint16 bits, quantized caches as
+their packed parts, nothing dequantized); ``HostPromptCache.save`` then
+writes, without MLX, a ``.safetensors`` file that ``load_prompt_cache``
+reads bit for bit, and ``prompt_cache_from_host`` rebuilds the cache
+directly.
+"""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .._registry import Patch, pasted_into, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
+    from ..prompt_cache.prompt_cache_files import _prompt_cache_from_arrays
+
+
+@dataclass
+class HostPromptCache:
+    """A prompt cache copied to host memory, for serializing on any thread.
+
+    ``arrays`` are numpy copies of the state arrays, bfloat16 as its uint16
+    bits; ``dtypes`` names each array's MLX dtype; ``metadata`` is what
+    ``save_prompt_cache`` writes. ``save`` uses no MLX.
+    """
+
+    arrays: Dict[str, Any]
+    dtypes: Dict[str, str]
+    metadata: Dict[str, str]
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def header(self):
+        """The ``.safetensors`` header ``save`` writes: each array's dtype,
+        shape and data offsets, in the order written, and the metadata."""
+        codes = {
+            "bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32",
+            "uint64": "U64", "int8": "I8", "int16": "I16", "int32": "I32",
+            "int64": "I64", "float16": "F16", "bfloat16": "BF16",
+            "float32": "F32", "float64": "F64",
+        }  # fmt: skip
+        header = {"__metadata__": self.metadata}
+        start = 0
+        for k, a in self.arrays.items():
+            dtype = codes[self.dtypes[k]]
+            header[k] = {"dtype": dtype, "shape": list(a.shape)}
+            header[k]["data_offsets"] = [start, start + a.nbytes]
+            start += a.nbytes
+        return header
+
+    def save(self, file_name: str):
+        """Write a ``.safetensors`` file that ``load_prompt_cache`` reads."""
+        import json
+
+        header = json.dumps(self.header()).encode()
+        header += b" " * (-len(header) % 8)
+        with open(file_name, "wb") as f:
+            f.write(len(header).to_bytes(8, "little"))
+            f.write(header)
+            for a in self.arrays.values():
+                f.write(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False).data)
+
+
+def prompt_cache_state(
+    cache: List[Any], metadata: Optional[Dict[str, str]] = None
+) -> HostPromptCache:
+    """``cache``'s state evaluated on the calling thread, not copied: a
+    ``HostPromptCache`` of MLX arrays (bfloat16 viewed as uint16) that any
+    thread may copy to host (another thread cannot evaluate them: "There is
+    no Stream(cpu, 0) in current thread"). Holding them keeps their buffers
+    from being donated to an update, so they do not change. Rings'
+    checkpoints (``prompt_cache_checkpoints``) follow the layers as caches
+    of their own, the metadata's ``ring_checkpoints`` naming each one's
+    layer and position (``_prompt_cache_from_arrays`` puts them back)."""
+    import json  # local: prompt_cache_dir adds it to the module, later
+
+    held = [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]
+    if held:
+        positions = json.dumps([[i, c.offset] for i, c in held])
+        metadata = {**(metadata or {}), "ring_checkpoints": positions}
+        cache = [*cache, *(c for _, c in held)]
+    scalars = [""]  # as in save_prompt_cache
+    arrays, dtypes = {}, {}
+    for k, data in tree_flatten([c.state for c in cache]):
+        if isinstance(data, (int, float, bool)):
+            scalars.append((k, "scalar"))
+            data = mx.array(data)
+        elif isinstance(data, str):
+            scalars.append((k, "string"))
+            data = mx.array([ord(char) for char in data])
+        elif data is None:
+            scalars.append((k, "none"))
+            data = mx.array([])
+        elif not isinstance(data, mx.array):
+            raise ValueError(f"Model state is not serializable: {data}")
+        dtypes[k] = str(data.dtype).rpartition(".")[2]
+        # Its own handle on the buffer: ``c.keys[...] = x`` replaces what the
+        # cache's handle points to (measured: a held handle then reads the
+        # update, unevaluated), never the buffer a handle holds.
+        data = copy.copy(data)
+        arrays[k] = data.view(mx.uint16) if data.dtype == mx.bfloat16 else data
+    mx.eval(list(arrays.values()))
+    classes = [type(c).__name__ for c in cache]
+    cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
+    return HostPromptCache(arrays, dtypes, cache_metadata)
+
+
+def prompt_cache_to_host(
+    cache: List[Any], metadata: Optional[Dict[str, str]] = None
+) -> HostPromptCache:
+    """Evaluate ``cache`` and copy its state to numpy, on the calling thread."""
+    import numpy as np
+
+    state = prompt_cache_state(cache, metadata)
+    arrays = {k: np.array(a) for k, a in state.arrays.items()}
+    return HostPromptCache(arrays, state.dtypes, state.metadata)
+
+
+def prompt_cache_from_host(host: HostPromptCache, return_metadata=False):
+    """The prompt cache ``prompt_cache_to_host`` copied, bit for bit."""
+    arrays = {
+        k: mx.array(a).view(getattr(mx, host.dtypes[k])) for k, a in host.arrays.items()
+    }
+    cache, metadata = _prompt_cache_from_arrays(arrays, host.metadata, "host snapshot")
+    if return_metadata:
+        return cache, metadata
+    return cache
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
+prompt_cache_state = pasted_into("mlx_lm.models.cache", prompt_cache_state)
+prompt_cache_to_host = pasted_into("mlx_lm.models.cache", prompt_cache_to_host)
+prompt_cache_from_host = pasted_into("mlx_lm.models.cache", prompt_cache_from_host)
+
+PATCH = Patch(
+    "host_export",
+    "prompt_cache_to_host / HostPromptCache.save: spill prompt caches to disk "
+    "from any thread, bfloat16 and quantized caches bit-exact",
+    targets(
+        "mlx_lm.models.cache",
+        HostPromptCache,
+        prompt_cache_state,
+        prompt_cache_to_host,
+        prompt_cache_from_host,
+    ),
+)

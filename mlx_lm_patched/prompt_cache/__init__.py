@@ -1,0 +1,2 @@
+"""The prompt cache servers keep: shared prefix blocks, the store, ring
+checkpoints, cache files, and the disk tier (directory, block files, writer)."""

@@ -1,0 +1,546 @@
+"""A disk tier for prompt caches: entries found again after a restart.
+
+mlx-lm's prompt cache lives in RAM: what ``LRUPromptCache`` evicts is gone,
+and a restarted server starts cold (ml-explore/mlx-lm#1178). Servers built
+on mlx-lm keep an SSD tier (vllm-mlx, omlx), and their spills break on the
+caches mlx-lm makes: numpy has no bfloat16 ("Item size 2 for PEP 3118 buffer
+format string B"), a quantized cache's keys are tuples; their fixes
+dequantize and cast to float16 before writing, which changes the tokens.
+
+``DiskPromptCache(directory, max_bytes)`` keeps prompt caches as files
+in a ``PromptBlockDir`` (``prompt_cache_dir``: the names, the manifest, the
+scan; ``prompt_cache_disk_blocks``: shared prefix blocks as block files
+written once, the budget). ``put`` queues the
+entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
+which another thread cannot do; bfloat16 as its bits, quantized caches as
+their packed triples, nothing upcast or copied) and returns (a 524 MB entry
+took 1,160 ms when ``put`` copied it itself); a thread copies and writes
+them (a locked temporary file renamed into place). Held, they cannot be
+donated to an update. The queue holds at most ``queue_bytes`` (past it, an
+entry is ``dropped``, warned); ``get`` serves queued entries;
+``close(timeout)`` writes the queue in a bounded time. Every entry queued
+ends ``written`` or ``dropped``: an error writing one is warned once and
+the writer goes on (a ``KeyError`` outside its ``try`` once ended the
+thread, and nothing was written after it, #48). ``get`` returns the
+longest stored prefix of a prompt (or a longer entry trimmed to it, or back
+to its rings' checkpoints, as ``LRUPromptCache.fetch_nearest_cache`` does)
+as a working cache, bit for bit, and the tokens left to prefill. It reads
+the file in parallel threads, checking each chunk as it lands
+(``_read_arrays``), and copies each array into MLX while the next are read:
+a 268 MB entry read from the page cache took a median 0.36-0.72 s here,
+1.59-1.79 s before (2 loaded CPU cores).
+
+An entry is served only if everything that shapes it is verified: its
+manifest digest covers every header field (dtypes, shapes, offsets, tokens,
+trim count, cache classes), its CRC-32 its data, its name the hash of its
+model and tokens, each layer holds the tokens the header names, and its
+layout is the model's own caches' (``prompt_cache_mismatch``). Anything
+else is skipped with a warning naming the file, never served and never
+raised.
+
+``DiskLRUPromptCache(disk, max_size, max_bytes)`` is an ``LRUPromptCache``
+that queues every entry it stores for ``disk`` as it stores it (write-behind:
+a server killed a few seconds later keeps it), again when it evicts it
+(``_evict``, ``prompt_cache_store``) if it is not on disk by then (a dropped
+write), and, where memory holds less of a prompt than the disk tier, serves
+it from there, if reading it is expected to be faster than prefilling what it
+saves (measured restores against measured prefills): on a GPU, a prefill can
+beat the disk (issue #27: 0.96 s of prefill against a 3.31 s restore of a
+16k-token Llama-8B-shape prefix). An entry served from disk is kept in
+memory too, so a repeat is a memory hit. Each fetch logs which tier served
+how many tokens (a disk hit, how many memory had).
+"""
+
+from typing import TYPE_CHECKING, Any, List, Optional
+
+from mlx_lm.models.cache import LRUPromptCache
+
+from .._registry import Patch, cache_class, targets
+from .prompt_cache_disk_blocks import PromptBlockDir
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import json
+    import logging
+    import os
+    import queue
+    import stat
+    import threading
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    from ..caches.host_export import prompt_cache_state
+    from .prompt_cache_checkpoints import _back_to, _disk_restore_point
+    from .prompt_cache_files import (
+        _prompt_cache_from_arrays,
+        prompt_cache_layout,
+        prompt_cache_mismatch,
+    )
+
+
+class DiskPromptCache(PromptBlockDir):
+    """Prompt caches in ``directory``, at most ``max_bytes`` of files.
+
+    Each file is a ``.safetensors`` prompt cache named by a hash of its model
+    key and tokens; its metadata holds both, the tokens it can trim, a
+    checksum of its whole header (``_manifest``) and a CRC-32 of its data.
+    ``put`` queues the entry's arrays, not a copy, and returns; the queue
+    holds at most ``queue_bytes`` of them: ``flush`` waits for the writes,
+    ``close`` ends the writer. Several processes may share ``directory``:
+    the budget is counted over its files under an ``flock`` of the
+    directory, the least recently used (oldest mtime) go first.
+    """
+
+    # Seconds a stopping server gives the writer to write what is queued.
+    drain_seconds = 10.0
+
+    def __init__(
+        self,
+        directory: str,
+        max_bytes: int = 1 << 63,
+        queue_bytes: int = 1 << 30,
+        mode: int = 0o600,
+        digest_wait: bool = True,
+    ):
+        if not isinstance(queue_bytes, int) or queue_bytes < 0:
+            raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
+        PromptBlockDir.__init__(self, directory, max_bytes, mode)
+        self.queue_bytes = queue_bytes
+        # Whether put and get wait for a model directory's digest (the
+        # server's do not: they miss until a thread has read it).
+        self.digest_wait = digest_wait
+        self.queued_bytes = 0  # of the entries in _pending
+        # Entries put and not written: no room in the queue or in the budget,
+        # or an error writing them (warned); and entries written.
+        self.dropped = self.written = 0
+        self._layouts = {}  # model key -> prompt_cache_layout of its own caches
+        self._closed = self._given_up = False  # close(); its timeout ran out
+        self._queue = queue.Queue()  # (name, state, bytes) of _pending, then None
+        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+        self._writer.start()
+
+    @property
+    def queued(self):
+        """Entries queued, not yet written."""
+        return len(self._pending)
+
+    def put(self, model: Any, tokens: List[int], cache: List[Any]):
+        """Queue ``cache``, the cache of ``tokens``, to be written, and return
+        (its arrays are evaluated here, not copied); ``get`` serves it from
+        now on. An entry written or queued already is left as it is; one
+        that would take the queue past ``queue_bytes`` (unless the queue is
+        empty) or is larger than ``max_bytes`` is dropped (warned, counted in
+        ``dropped``)."""
+        if self._closed:
+            raise ValueError("DiskPromptCache.put after close()")
+        tokens = [int(t) for t in tokens]
+        model = self._model_key(model, self.digest_wait)
+        if model is None:  # the weights' digest is being read: not written
+            return
+        name = self._name(model, tokens)
+        if name in self._files or name in self._pending:
+            return
+        # The most tokens trim_prompt_cache can take off exactly (a wrapped
+        # ring: its slack); can_trim_prompt_cache is monotone in the count.
+        trimmable, hi = 0, len(tokens)
+        while trimmable < hi:
+            mid = (trimmable + hi + 1) // 2
+            trimmable, hi = (
+                (mid, hi) if can_trim_prompt_cache(cache, mid) else (trimmable, mid - 1)
+            )
+        cache, blocks_metadata, blocks = self._blocked(model, tokens, cache)
+        self._learn(model, cache)
+        metadata = {
+            "model": model,
+            "tokens": json.dumps(tokens),
+            "trimmable": str(trimmable),
+            **blocks_metadata,
+        }
+        state = prompt_cache_state(cache, metadata)
+        state.blocks, state.entry = blocks, (model, tokens, trimmable)
+        with self._lock:
+            if name in self._pending:
+                return
+            why = None
+            if state.nbytes > self.max_bytes:
+                why = f"--prompt-cache-disk-bytes {self.max_bytes}"
+            elif self._pending and self.queued_bytes + state.nbytes > self.queue_bytes:
+                why = (
+                    f"{self.queued_bytes} B queued, "
+                    f"--prompt-cache-queue-bytes {self.queue_bytes}"
+                )
+            if why is not None:
+                self.dropped += 1
+                logging.warning(
+                    f"[prompt cache] not writing {len(tokens)} tokens "
+                    f"({state.nbytes} B): {why}; {self.dropped} dropped so far"
+                )
+                return
+            self._pending[name] = state
+            self.queued_bytes += state.nbytes
+            self._add(name, (model, tokens, trimmable, 0))  # 0: no file yet
+        self._queue.put((name, state, state.nbytes))
+
+    def learn(self, model: Any, cache: List[Any]):
+        """Take ``cache`` as what ``model``'s caches look like: an entry of
+        ``model`` with other layers or head dims is a miss."""
+        key = self._model_key(model, self.digest_wait)
+        if key is not None:
+            self._learn(key, cache)
+
+    def _learn(self, key: str, cache: List[Any]):
+        if key not in self._layouts:
+            try:
+                self._layouts[key] = prompt_cache_layout(cache)
+            except Exception:
+                pass  # a cache kind it cannot describe: nothing to compare
+
+    def _write_loop(self):
+        """Write what is queued, until ``None``. An entry not written (no
+        room, an error: warned once, naming it) is counted in ``dropped``
+        and not served; the loop goes on whatever happens."""
+        while (item := self._queue.get()) is not None:
+            name, state, nbytes = item
+            done = False
+            try:
+                done = not self._given_up and self._write(name, state)
+            except Exception as e:
+                logging.warning(f"[prompt cache] could not write {name}: {e!r}")
+            try:
+                with self._lock:
+                    if self._pending.get(name) is state:
+                        del self._pending[name]
+                        if not done and name in self._files:
+                            self._drop(name)  # not written: not served
+                    self.queued_bytes -= nbytes
+                    if done:
+                        self.written += 1
+                    else:
+                        self.dropped += 1
+            except Exception as e:
+                logging.warning(f"[prompt cache] after writing {name}: {e!r}")
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, name: str, state):
+        """Write the queued entry ``name`` (its block files first) with the
+        directory locked, having made room for its files first (so its
+        files never take the directory past ``max_bytes``, replicas' writes
+        included); whether it was written."""
+        # The host copy, on this thread: the arrays' own memory, read in place.
+        host = self._seal(state)[0]
+        path = os.path.join(self.directory, name)
+        self._lock_dir()
+        try:
+            self._present(name)  # anything but a file there is set aside
+            new = {
+                b: self._seal(s)[0]
+                for b, s in state.blocks.items()
+                if not self._present(b)
+            }
+            need = sum(self._file_bytes(h) for h in (host, *new.values()))
+            keep = set(state.blocks)
+            if need <= self.max_bytes:
+                self._shrink(room=need, keep=keep)
+            if self._n_bytes + need > self.max_bytes:
+                logging.warning(
+                    f"[prompt cache] not writing {name} ({need} B): "
+                    f"{self._n_bytes} B in {self.directory}, "
+                    f"--prompt-cache-disk-bytes {self.max_bytes}"
+                )
+                return False
+            temps = {}
+            try:
+                for b, h in (*new.items(), (name, host)):
+                    temps[b] = self._save_temp(b, h, need, keep)
+                for b in temps:  # the blocks before the entry naming them
+                    os.replace(temps[b][0], os.path.join(self.directory, b))
+            finally:
+                self._close_temps(temps)
+            now = time.time_ns()  # finer than the file system's clock
+            os.utime(path, ns=(now, now))
+            with self._lock:
+                self._add(name, (*state.entry, os.path.getsize(path)))
+            self._shrink()
+        finally:
+            self._unlock_dir()
+        return True
+
+    def _pending_cache(self, name: str):
+        """The cache of the queued entry ``name``, sharing its arrays, or
+        ``None`` once it is written."""
+        state = self._pending.get(name)
+        if state is None:
+            return None
+        found = {n: self._views(b) for n, b in state.blocks.items()}
+        arrays = self._join(self._views(state), state.metadata, found)
+        return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
+
+    def _load(self, name: str):
+        """The cache in file ``name``, or ``None`` (warned) if it is not sound:
+        its header must be the one indexed and pass every check, its data
+        its CRC, each layer hold the tokens its header names. Its arrays
+        are read in parallel (``_read_arrays``) and each is copied into MLX
+        while the next are read; the time taken goes into ``read_rate``."""
+        path, st = os.path.join(self.directory, name), None
+        start = time.perf_counter()
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:  # header and data from one open file: a rename cannot mix them
+                entry, header = self._read_header(path, full=True, fd=fd)
+                if entry != self._files.get(name):
+                    raise ValueError("it changed since it was indexed")
+                arrays = {}
+
+                def build(k, data):  # to the device while more is read
+                    arrays[k] = self._array(header[k], data)
+                    mx.async_eval(arrays[k])
+
+                self._read_arrays(fd, header, build)
+            finally:
+                os.close(fd)
+            metadata = header["__metadata__"]
+            arrays = self._with_blocks(entry, header, arrays)  # shared prefix
+            mx.eval(list(arrays.values()))
+            cache = _prompt_cache_from_arrays(arrays, metadata, path, finite=True)[0]
+            for i, c in enumerate(cache):
+                offset = getattr(c, "offset", None)
+                if isinstance(offset, int) and offset != len(entry[1]):
+                    raise ValueError(
+                        f"layer {i} holds {offset} tokens, its header {len(entry[1])}"
+                    )
+            read = self._restore_bytes(entry[3], self._named_blocks(header))
+            self._observe(self._read, read, time.perf_counter() - start)
+            return cache
+        except Exception as e:
+            logging.warning(f"[prompt cache] skipping {path}: {e!r}")
+            if st is not None and (
+                not stat.S_ISREG(st.st_mode)
+                or isinstance(e, OSError)
+                and e.errno in self.unreadable
+            ):  # set aside: the next write puts the entry there
+                self._remove_unsound(name, st)
+            return None
+
+    def get(self, model: Any, tokens: List[int], cached: int = 0, saves=None):
+        """``(cache, tokens left to prefill)`` from the entry that reuses the
+        most of ``tokens`` for ``model``, if it reuses more than ``cached``;
+        else ``None``. With ``saves(n, bytes read)``, the seconds restoring
+        an entry (its file and block files) that reuses ``n`` tokens saves,
+        the entry that saves the most (a shorter one, or a longer one
+        trimmed back), if one saves any; ``None`` while the weights' digest
+        is being read."""
+        model = self._model_key(model, self.digest_wait)
+        if model is None:
+            return None
+        while True:
+            with self._lock:
+                options = self._options(model, tokens)
+                if saves is None:
+                    options = [(n, n, s) for n, s in options if n > cached]
+                else:
+                    options = [
+                        (saves(n, self._entry_bytes(self._name(model, s))), n, s)
+                        for n, s in options
+                        if n > cached
+                    ]
+                    options = [x for x in options if x[0] > 0]
+                if not options:
+                    return None
+                _, n, stored = max(options, key=lambda x: x[:2])
+                name = self._name(model, stored)
+            cache = self._pending_cache(name) or self._load(name)
+            expected = self._layouts.get(model)
+            if cache is not None and expected is not None:
+                why = prompt_cache_mismatch(expected, cache)
+                if why is not None:
+                    logging.warning(f"[prompt cache] skipping {name}: {why}")
+                    cache = None
+            if cache is not None and len(stored) > n:  # trimmed, or checkpoints
+                cache = _back_to(cache, len(stored), n)
+                if cache is None:
+                    logging.warning(f"[prompt cache] skipping {name}: cannot trim")
+            with self._lock:
+                if name not in self._files:
+                    continue
+                if cache is None:
+                    self._drop(name)
+                    continue
+            try:  # the most recently used
+                now = time.time_ns()
+                os.utime(os.path.join(self.directory, name), ns=(now, now))
+            except OSError:
+                pass
+            return cache, tokens[n:]
+
+    def _options(self, model: str, tokens: List[int]):
+        """``(tokens reused, stored tokens)`` of each entry that can serve
+        ``tokens``: every stored prefix of them, and the shortest longer
+        entry trimmed back to their common prefix, where it can be trimmed
+        (``LRUPromptCache.fetch_nearest_cache``'s candidates). Called with
+        the lock held."""
+        options, node = [], self._trie._trie.get(model, {})
+        for i in range(len(tokens) + 1):
+            if "__value__" in node:
+                options.append((i, tokens[:i]))
+            if i == len(tokens) or tokens[i] not in node:
+                break
+            node = node[tokens[i]]
+        result = self._trie.search(model, tokens)
+        prefix = min(len(tokens) - 1, result.common_prefix)
+        longer = result.longer
+        if longer is not None and result.exact is None and prefix > 0:
+            options.append((_disk_restore_point(self, model, longer, prefix), longer))
+        return options
+
+    def flush(self):
+        """Wait until every queued cache is written."""
+        self._queue.join()
+
+    def close(self, timeout: Optional[float] = None):
+        """Write what is queued and end the writer thread; with ``timeout``,
+        give up after that many seconds: what is left is not written (warned).
+        Returns the number of entries left."""
+        if self._closed:
+            return 0
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join(timeout)
+        if self._writer.is_alive():  # it skips the rest, ends the file it writes
+            self._given_up = True
+            left = len(self._pending)
+            logging.warning(
+                f"[prompt cache] {left} entries ({self.queued_bytes} B) not "
+                f"written to {self.directory}: the {timeout} s to write them ran out"
+            )
+            return left
+        os.close(self._dir_fd)
+        return len(self._pending)
+
+
+class DiskLRUPromptCache(LRUPromptCache):
+    """An ``LRUPromptCache`` that writes what it stores to ``disk`` (a
+    ``DiskPromptCache``) and reads from it where memory has less. With
+    ``bits``, files hold the entries as quantized at rest, dequantized on
+    fetch.
+
+    It restores only what is expected to be faster than recomputing: an
+    entry of ``b`` bytes that reuses ``n`` tokens where memory reuses
+    ``m`` is read only if ``b / disk.read_rate < (n - m) / prefill_rate``
+    (reading it takes less than prefilling what it saves), and of several
+    the one that saves the most (a shorter one, or a longer one trimmed
+    back). ``disk.read_rate`` is measured by every restore; ``prefill_rate``
+    (tokens a second) by ``observe_prefill`` or, read when a prompt is
+    fetched, ``prefill_counters`` (an object counting ``prompt_tokens`` and
+    ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Until
+    a prefill is measured, the entry reusing the most is restored.
+    """
+
+    def __init__(
+        self,
+        disk: "DiskPromptCache",
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        bits: Optional[int] = None,
+        group_size: int = 64,
+    ):
+        LRUPromptCache.__init__(
+            self, max_size, max_bytes, bits=bits, group_size=group_size
+        )
+        self.disk = disk
+        self.prefill_counters = None
+        self._counted = (None, 0, 0.0)  # counters, tokens and seconds seen
+        self._prefill = [0, 0.0]  # [tokens, seconds], each older weighing half
+
+    @property
+    def prefill_rate(self):
+        """Tokens a second prefills took, the recent ones weighing most;
+        ``None`` before one is measured."""
+        counters = self.prefill_counters
+        if counters is not None:
+            seen, tokens, seconds = self._counted
+            now = (counters, counters.prompt_tokens, counters.prompt_time)
+            if seen is not counters:
+                tokens, seconds = 0, 0.0
+            self._counted = now
+            if now[2] > seconds:
+                self.observe_prefill(now[1] - tokens, now[2] - seconds)
+        return self._prefill[0] / self._prefill[1] if self._prefill[1] else None
+
+    def observe_prefill(self, tokens: int, seconds: float):
+        """Count ``tokens`` prefilled in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.disk._observe(self._prefill, tokens, seconds)
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
+        tier = "miss" if cache is None else "memory hit"
+        if rest:
+            cached = len(tokens) - len(rest)
+            rate, read = self.prefill_rate, self.disk.read_rate
+            saves = (
+                None if rate is None else lambda n, b: (n - cached) / rate - b / read
+            )
+            try:
+                self.disk._refresh()  # what replicas wrote
+                found = self.disk.get(model, tokens, cached, saves)
+            except Exception as e:  # a miss, never the generation thread's end
+                logging.warning(f"[prompt cache] disk tier failed: {e!r}")
+                found = None
+            if found is not None:
+                # Kept in memory too: a repeat is a memory hit.
+                n = len(tokens) - len(found[1])
+                LRUPromptCache.insert_cache(self, model, tokens[:n], found[0])
+                cache, rest, tier = self._working(found[0]), found[1], "disk hit"
+        n = len(tokens) - len(rest)
+        had = f" (memory had {cached})" if tier == "disk hit" else ""
+        logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")
+        return cache, rest
+
+    def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):
+        # What the disk tier serves this model must look like its own caches.
+        try:
+            self.disk.learn(model, prompt_cache)
+        except Exception as e:  # never the generation thread's end
+            logging.warning(f"[prompt cache] disk tier failed: {e!r}")
+        LRUPromptCache.insert_cache(self, model, tokens, prompt_cache, **kwargs)
+        try:  # written behind: queued now (evicted at once, _evict queued it)
+            entry = self._trie.get(model, tokens)
+        except KeyError:
+            return
+        self._spill(model, tokens, entry)
+
+    def _evict(self):
+        model, tokens, entry = LRUPromptCache._evict(self)
+        self._spill(model, tokens, entry)  # nothing if it is on disk already
+        return model, tokens, entry
+
+    def _spill(self, model: Any, tokens: List[int], entry):
+        # Shared prefix blocks (prompt_cache_blocks) go as block files.
+        try:
+            self.disk.put(model, tokens, entry.prompt_cache)
+        except Exception as e:  # not written: a miss later, never an error now
+            logging.warning(f"[prompt cache] disk tier failed: {e!r}")
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
+DiskPromptCache = cache_class("mlx_lm.models.cache", DiskPromptCache, PromptBlockDir)
+DiskLRUPromptCache = cache_class(
+    "mlx_lm.models.cache", DiskLRUPromptCache, LRUPromptCache
+)
+
+PATCH = Patch(
+    "prompt_cache_disk",
+    "DiskPromptCache: prompt caches on disk, written by a background thread, "
+    "bit-exact, bounded, found again after a restart; served only if every "
+    "header field is verified and the weights are the same, the budget held "
+    "for a directory replicas share",
+    targets("mlx_lm.models.cache", DiskPromptCache, DiskLRUPromptCache),
+    requires=("mlx_lm.models.cache:LRUPromptCache._evict",),
+)

@@ -1,0 +1,477 @@
+"""Block files: a prefix that entries share is on disk once.
+
+The disk tier (``prompt_cache_disk``) wrote every entry whole: an entry
+whose layers share blocks in memory (``prompt_cache_blocks``) was joined
+on the serving thread (a copy of the entry) and its prefix written again
+with every conversation behind it (issue #28).
+
+``PromptBlockDir`` is the ``PromptCacheDir`` the disk tier stands on, with
+block files. An entry's shared layers (``SharedPrefixCache``) are written
+as their tails: each such layer's arrays hold the tokens after its last
+whole block, its scalars the whole layer's, and the metadata ``0.blocks``
+(JSON: ``size``, the block size; ``layers``, each shared layer's block
+count; ``files``, the block files in order) names the rest. Block file
+``j``, ``<32 hex>.block.safetensors``, holds block ``j`` of each shared
+layer that has one, under the entry's own array keys; it is named by a
+digest of the model key, those layers and their layouts (class, dtypes,
+shapes past the token axis), and the SHA-256 chain of the tokens up to its
+end (``PromptBlocks.chain``), and its header says each of these, sealed
+by a manifest and a CRC-32 of its data as entries are. Every entry and
+every replica on the directory that holds the same prefix names the same
+files; entries without ``0.blocks`` are whole (the first format) and
+load as before.
+
+Writing: under the directory's ``flock`` the writer thread first makes
+room for the entry's file and the block files not yet on disk (``_shrink``
+with ``room``: every entry, block and temporary file counted, a block
+once; the least recently used entries go, and a block goes when no
+remaining entry, nor the entry being written, names it), then writes them
+to locked temporary files and renames the blocks, then the entry, into
+place: no entry on disk ever names a block that is not, and the directory
+never holds more than its budget, replicas' writes included (one replica
+at 300 KB peaked at 2.03x its budget when files were put in place before
+the eviction pass, #48). Reading: the block files an entry names are
+checked against what its own model, tokens and layers make them (another
+model's or layout's block is refused), then read in parallel, each
+checked as an entry is (header, manifest, CRC-32, finite floats) and for
+the dtypes and shapes its entry needs; anything else is a miss with a
+warning, and a block that is unsound or cannot be read (a link, a
+directory, a FIFO, ``EACCES``) is set aside so the next write replaces it.
+"""
+
+import json
+import os
+import stat
+from typing import TYPE_CHECKING, Any, Dict, List
+
+from .._registry import Patch, cache_class, targets
+from .prompt_cache_dir import PromptCacheDir
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+    import errno
+    import fcntl
+    import hashlib
+    import logging
+    import zlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import PromptBlocks, SharedPrefixCache
+
+    from ..caches.host_export import HostPromptCache
+
+
+class _Columns:
+    """Columns ``start:stop`` (the token axis) of an evaluated ``array``: a
+    block of a run (``PromptBlocks``), sliced where it is read (on the
+    writer thread, in numpy) rather than one MLX view a block and layer."""
+
+    def __init__(self, array, start: int, stop: int, shape: tuple, dtype):
+        self.array, self.start, self.stop, self.dtype = array, start, stop, dtype
+        self.shape = (*shape[:2], stop - start, *shape[3:])
+        self.nbytes = dtype.size
+        for n in self.shape:
+            self.nbytes *= n
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.asarray(self.array)[..., self.start : self.stop, :]
+
+    def view(self, dtype):
+        return self.array.view(dtype)[..., self.start : self.stop, :]
+
+
+class PromptBlockDir(PromptCacheDir):
+    """A ``PromptCacheDir`` whose entries may name shared block files."""
+
+    def __init__(self, directory: str, max_bytes: int = 1 << 63, mode: int = 0o600):
+        self._refs_seen = {}  # entry name -> ((inode, ctime), the block files it names)
+        self._blocks_pool = (0, None)  # (read_threads, threads reading block files)
+        PromptCacheDir.__init__(self, directory, max_bytes, mode)
+
+    @staticmethod
+    def _shared_keys(keys, layers) -> Dict[str, List[str]]:
+        """Per layer of ``layers`` (indices as strings), the suffixes of its
+        keys and values among the array ``keys`` ("0", "0.1", "1", ...)."""
+        out = {}
+        for k in keys:
+            i, _, suffix = k.partition(".")
+            if i in layers and suffix.split(".")[0] in ("0", "1"):
+                out.setdefault(i, []).append(suffix)
+        return out
+
+    @staticmethod
+    def _layout(name: str, arrays: Dict[str, tuple]):
+        """A layer's layout: its class ``name`` and, per array key suffix, its
+        dtype and shape past the token axis (``arrays``: suffix -> (dtype,
+        shape))."""
+        return [name, [[k, d, s[:2] + s[3:]] for k, (d, s) in sorted(arrays.items())]]
+
+    def _block_names(self, model: str, tokens: List[int], size: int, layers: dict):
+        """The block files of an entry of ``model`` and ``tokens``: per block,
+        ``(name, its layers' layouts, chain digest)``; ``layers``: layer
+        index -> (block count, layout)."""
+        out, held, prefix = [], None, ""
+        for j, digest in enumerate(PromptBlocks(size).chain(model, tokens)):
+            now = [[i, lay] for i, (n, lay) in sorted(layers.items()) if n > j]
+            if not now:
+                break
+            if now != held:  # one list (and its JSON) while the layers held agree
+                held, prefix = now, json.dumps([model, now])[:-1]
+            key = f'{prefix}, "{digest.hex()}"]'.encode()  # json.dumps of the three
+            name = hashlib.sha256(key).hexdigest()[:32] + ".block.safetensors"
+            out.append((name, held, digest.hex()))
+        return out
+
+    def _blocked(self, model: str, tokens: List[int], cache: List[Any]):
+        """``(layers, metadata, blocks)``: ``cache`` as its entry file holds
+        it (each ``SharedPrefixCache`` layer its tail), the ``blocks``
+        metadata naming its block files ({} if none), and each block file's
+        ``HostPromptCache`` of MLX arrays (not copied)."""
+        layers, shared, blocks = list(cache), {}, {}
+        for i, c in enumerate(cache):
+            if isinstance(c, SharedPrefixCache):
+                layers[i] = copy.copy(c.template)
+                layers[i].keys, layers[i].values = c.tail
+                flat = tree_flatten(c.tail)
+                arrays = {k: (str(x.dtype).split(".")[-1], x.shape) for k, x in flat}
+                shared[i] = (c, self._layout(type(layers[i]).__name__, arrays))
+        if not shared:
+            return cache, {}, {}
+        size = {(c.offset - tree_flatten(c.tail)[0][1].shape[2]) // len(c.blocks)
+                for c, _ in shared.values()}  # fmt: skip
+        if len(size) != 1:
+            raise ValueError(f"layers cut into blocks of sizes {sorted(size)}")
+        size = size.pop()
+        counts = {i: (len(c.blocks), lay) for i, (c, lay) in shared.items()}
+        names = self._block_names(model, tokens, size, counts)
+        runs = {}  # (layer, run) -> its arrays viewed as stored, evaluated once
+        texts = {}  # id of a held list -> its JSON
+        for j, (name, held, digest) in enumerate(names):
+            arrays, dtypes = {}, {}
+            for i, _ in held:
+                run, _, _, _, start, stop = shared[i][0].blocks[j]
+                if (i, id(run)) not in runs:
+                    runs[i, id(run)] = [
+                        (f"{i}.{k}", str(x.dtype).split(".")[-1], x.shape)
+                        + ((x.view(mx.uint16),) if x.dtype == mx.bfloat16 else (x,))
+                        for k, x in tree_flatten(run[0])
+                    ]
+                for k, dtype_name, shape, x in runs[i, id(run)]:
+                    dtypes[k] = dtype_name
+                    arrays[k] = _Columns(x, start, stop, shape, x.dtype)
+            if id(held) not in texts:
+                texts[id(held)] = json.dumps(held)
+            meta = {"0.model": model, "0.layers": texts[id(held)], "0.chain": digest}
+            blocks[name] = HostPromptCache(arrays, dtypes, meta)
+        mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
+        meta = {"size": size, "layers": {str(i): n for i, (n, _) in counts.items()}}
+        meta["files"] = [name for name, _, _ in names]
+        return layers, {"format": "2", "blocks": json.dumps(meta)}, blocks
+
+    def _save_temp(self, name: str, host, free: int, keep=()):
+        """``(temp, fd)``: ``host`` saved to a new temporary file beside file
+        ``name``, locked while open (so no scan takes it for stale); on a
+        full disk the oldest entries make room for ``free`` bytes (``keep``:
+        the block files the entry written names). Called with the directory
+        locked."""
+        temp = os.path.join(self.directory, f"{name}.{os.getpid()}-{id(self):x}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(temp, flags, self.mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            while True:
+                try:
+                    host.save(temp)
+                    break
+                except OSError as e:
+                    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    if not (full and self._shrink(free=free, keep=keep)):
+                        raise
+        except BaseException:
+            os.remove(temp)
+            os.close(fd)
+            raise
+        return temp, fd
+
+    @staticmethod
+    def _file_bytes(host):
+        """The bytes of the file ``host.save`` writes."""
+        n = len(json.dumps(host.header()).encode())
+        return 8 + n + (-n % 8) + host.nbytes
+
+    @staticmethod
+    def _close_temps(temps: dict):
+        for temp, fd in temps.values():
+            if os.path.lexists(temp):
+                os.remove(temp)
+            os.close(fd)
+
+    def _seal(self, state):
+        """``(host, header)``: ``state``'s arrays copied to host (on the
+        calling thread), its metadata with the manifest and the CRC-32 of
+        its data (the arrays' bytes in sorted key order)."""
+        import numpy as np
+
+        arrays = {k: np.asarray(a, order="C") for k, a in state.arrays.items()}
+        host = HostPromptCache(arrays, state.dtypes, dict(state.metadata))
+        header = host.header()
+        host.metadata["0.manifest"] = self._manifest(header)
+        crc = 0
+        for k in sorted(host.arrays):
+            a = host.arrays[k]
+            crc = zlib.crc32(a.astype(a.dtype.newbyteorder("<"), copy=False), crc)
+        host.metadata["0.crc32"] = str(crc)
+        return host, header
+
+    def _array(self, spec: dict, data):
+        """The MLX array of ``data`` (bytes read), as header ``spec`` says."""
+        dtype = getattr(mx, self.dtypes[spec["dtype"]])
+        return mx.array(self._host(spec, data)).view(dtype)
+
+    def _host(self, spec: dict, data):
+        """``data`` (bytes read) as header ``spec``'s shape, in unsigned
+        integers of its dtype's size (its bits, on the host)."""
+        size = getattr(mx, self.dtypes[spec["dtype"]]).size
+        return data.view(f"<u{size}").reshape(spec["shape"])
+
+    @staticmethod
+    def _views(state):
+        """A queued entry's or block's arrays (``HostPromptCache``), each
+        viewed as its own dtype."""
+        return {
+            k: a.view(getattr(mx, state.dtypes[k])) for k, a in state.arrays.items()
+        }
+
+    def _join(self, arrays: dict, metadata: dict, found: Dict[str, dict]):
+        """``arrays`` (an entry's, its shared layers' tails) with each shared
+        layer's blocks before its tail (none without ``0.blocks`` in its
+        ``metadata``); ``found``: block file name -> its arrays."""
+        if "0.blocks" not in metadata:
+            return arrays
+        import numpy as np
+
+        blocks = json.loads(metadata["0.blocks"])
+        files, out = blocks["files"], dict(arrays)
+
+        keys = [
+            (f"{i}.{s}", blocks["layers"][i])
+            for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items()
+            for s in suffixes
+        ]
+        parts = {k: [found[files[j]][k] for j in range(n)] for k, n in keys}
+        if isinstance(parts[keys[0][0]][0], np.ndarray):  # read: host arrays
+
+            def join(k):  # on the host, by threads
+                return k, np.concatenate(parts[k], axis=2)
+
+            for k, x in self._block_threads().map(join, list(parts)):
+                parts[k] = [mx.array(x).view(arrays[k].dtype)]  # MLX once, here
+        for k, p in parts.items():
+            out[k] = mx.concatenate([*p, arrays[k]], axis=2)
+        return out
+
+    def _with_blocks(self, entry: tuple, header: dict, arrays: dict):
+        """``arrays``, read from the entry file of ``header`` (``entry``: its
+        model and tokens, ...), with its block files' joined in; raises
+        ``ValueError`` for a format this does not read."""
+        version = header["__metadata__"].get("0.format", "1")  # 1: whole entries
+        if version not in ("1", "2"):
+            raise ValueError(f"it is in format {version!r}; this reads 1 and 2")
+        if "0.blocks" not in header["__metadata__"]:
+            return arrays
+        found = self._read_blocks(entry[0], entry[1], header)
+        return self._join(arrays, header["__metadata__"], found)
+
+    def _read_blocks(self, model: str, tokens: List[int], header: dict):
+        """``{block file name: {key: MLX array}}`` of the block files the
+        entry of ``header`` names, read in parallel and each checked: named
+        as its entry's model, tokens and layers make it, its own header
+        saying so, sealed, and holding the dtypes and shapes its entry's
+        layers need. Raises ``ValueError`` naming what is wrong."""
+        meta = json.loads(header["__metadata__"]["0.blocks"])
+        size, files = meta["size"], meta["files"]
+        keys = self._shared_keys(header, meta["layers"])
+        specs = {i: {s: header[f"{i}.{s}"] for s in x} for i, x in keys.items()}
+        counts = {}  # layer -> (blocks, layout)
+        for i, n in meta["layers"].items():
+            if not (type(n) is int and 0 < n and i in specs):
+                raise ValueError(f"its layer {i} names {n!r} blocks")
+            arrays = {
+                s: (self.dtypes[v["dtype"]], v["shape"]) for s, v in specs[i].items()
+            }
+            name = header["__metadata__"].get(f"1.{i}")
+            counts[int(i)] = (n, self._layout(name, arrays))
+        want = self._block_names(model, tokens, size, counts)
+        if [name for name, _, _ in want] != files:
+            raise ValueError("it names block files its model, tokens and layers do not")
+
+        def read(name, held, digest):
+            path, st = os.path.join(self.directory, name), None
+            try:
+                st = os.lstat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError("not a regular file")
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except FileNotFoundError:
+                raise ValueError(f"its block {name} is missing") from None
+            except (OSError, ValueError) as e:  # set aside: written when named
+                if st is not None and getattr(e, "errno", None) in (
+                    None,
+                    *self.unreadable,
+                ):
+                    self._remove_unsound(name, st)
+                raise ValueError(f"block {name}: {e!r}") from None
+            try:
+                st = os.fstat(fd)
+                got, _ = self._safetensors_header(fd)
+                m = got["__metadata__"]
+                if [m.get("0.model"), m.get("0.layers"), m.get("0.chain")] != [
+                    model,
+                    json.dumps(held),
+                    digest,
+                ]:
+                    raise ValueError(f"its block {name} holds another block")
+                for i, _ in held:
+                    for s, v in specs[str(i)].items():
+                        shape = v["shape"][:2] + [size] + v["shape"][3:]
+                        g = got.get(f"{i}.{s}") or {}
+                        if [g.get("dtype"), g.get("shape")] != [v["dtype"], shape]:
+                            raise ValueError(f"its block {name} is not its layout")
+                if len(got) - 1 != sum(len(specs[str(i)]) for i, _ in held):
+                    raise ValueError(f"its block {name} holds other arrays")
+                arrays = {}
+                self._read_arrays(fd, got, lambda k, d: arrays.update({k: (got[k], d)}))
+            except (OSError, ValueError) as e:  # unsound: removed, written again
+                if getattr(e, "errno", None) in (None, *self.unreadable):
+                    self._remove_unsound(name, st)
+                raise ValueError(f"block {name}: {e}") from None
+            finally:
+                os.close(fd)
+            return name, arrays
+
+        found = {}  # host arrays, joined per key by _join
+        for name, arrays in self._block_threads().map(lambda x: read(*x), want):
+            found[name] = {k: self._host(*x) for k, x in arrays.items()}
+        return found
+
+    def _block_threads(self):
+        """The threads reading block files and joining them."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._blocks_pool[0] != self.read_threads:
+            pool = ThreadPoolExecutor(self.read_threads)
+            self._blocks_pool = (self.read_threads, pool)
+        return self._blocks_pool[1]
+
+    def _refs(self, name: str):
+        """The block files the entry file ``name`` names (none if its header
+        is not sound); kept per name, inode and ctime (a file renamed over
+        it, or touched, is read again)."""
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.lstat(path)
+            seen = (st.st_ino, st.st_ctime_ns)
+            if self._refs_seen.get(name, (None,))[0] != seen:
+                header = self._read_header(path, full=True)[1]
+                self._refs_seen[name] = (seen, set(self._named_blocks(header)))
+        except Exception:
+            self._refs_seen.pop(name, None)  # counted as naming none
+            return set()
+        return self._refs_seen[name][1]
+
+    @staticmethod
+    def _named_blocks(header: dict) -> List[str]:
+        """The block files the entry file of ``header`` names."""
+        blocks = header["__metadata__"].get("0.blocks")
+        return json.loads(blocks)["files"] if blocks else []
+
+    def _entry_bytes(self, name: str):
+        """The bytes a restore of indexed entry ``name`` reads."""
+        return self._restore_bytes(self._files[name][3], self._refs(name))
+
+    def _restore_bytes(self, size: int, blocks):
+        """The bytes a restore reads: an entry file of ``size`` bytes and
+        its ``blocks`` files (``read_rate`` and the cost model count all)."""
+        for block in blocks:
+            try:
+                size += os.stat(os.path.join(self.directory, block)).st_size
+            except OSError:
+                pass
+        return size
+
+    def _shrink(self, free: int = 0, room: int = 0, keep=()):
+        """Count every entry file, block file and temporary file in the
+        directory (other processes' too) and remove the least recently used
+        entries until they fit ``max_bytes`` less ``room`` (what a write is
+        about to add) and, with ``free``, take ``free`` fewer bytes; a block
+        file goes when no remaining entry (nor ``keep``, the blocks of the
+        entry being written) names it. Returns the bytes removed. Called
+        with the directory locked."""
+        found, blocks, temps = [], {}, 0
+        for e in os.scandir(self.directory):
+            if self._is_entry(e.name) or self._is_block(e.name):
+                try:
+                    st = os.lstat(e.path)
+                except OSError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if self._is_entry(e.name):
+                    found.append((st.st_mtime_ns, e.name, st.st_size))
+                else:
+                    blocks[e.name] = st.st_size
+            elif self._is_temp(e.name) and not self._remove_stale(e.path):
+                try:  # a live writer's (another version's) or a recent one's
+                    temps += e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+        refs = {b: 1 for b in keep}
+        for name in set(self._refs_seen) - {name for _, name, _ in found}:
+            del self._refs_seen[name]  # removed by another process
+        for _, name, _ in found:
+            for block in self._refs(name):
+                refs[block] = refs.get(block, 0) + 1
+        total = sum(size for _, _, size in found) + sum(blocks.values()) + temps
+        limit = min(self.max_bytes - room, total - free)
+        removed = sum(blocks[b] for b in blocks if not refs.get(b) and self._unlink(b))
+        with self._lock:
+            self._forget({name for _, name, _ in found})
+            for _, name, size in sorted(found):
+                if total - removed <= limit:
+                    break
+                if not self._unlink(name):
+                    continue
+                removed += size
+                if name in self._files and name not in self._pending:
+                    self._drop(name)  # a queued one is written again
+                for b in self._refs_seen.pop(name, (0, ()))[1] & set(refs):
+                    refs[b] -= 1
+                    if refs[b] == 0 and b in blocks and self._unlink(b):
+                        removed += blocks[b]
+        self._n_bytes = total - removed
+        return removed
+
+    def _unlink(self, name: str):
+        """Remove file ``name``; whether it is gone."""
+        try:
+            os.remove(os.path.join(self.directory, name))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logging.warning(f"[prompt cache] could not remove {name}: {e!r}")
+            return False
+        return True
+
+
+_Columns = cache_class("mlx_lm.models.cache", _Columns)
+PromptBlockDir = cache_class("mlx_lm.models.cache", PromptBlockDir, PromptCacheDir)
+
+PATCH = Patch(
+    "prompt_cache_disk_blocks",
+    "PromptBlockDir: the disk tier writes shared prefix blocks as block files, "
+    "once per directory, named by content, removed with the last entry naming them",
+    targets("mlx_lm.models.cache", _Columns, PromptBlockDir),
+)

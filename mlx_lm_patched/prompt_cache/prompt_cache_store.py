@@ -1,0 +1,289 @@
+"""The prompt cache stores live tokens only, and evicts through one method.
+
+Upstream's ``LRUPromptCache`` stores the caches it is given as they are: with
+the preallocated rings of ``rotating_prealloc`` every entry keeps a whole
+window per sliding layer (ten 60-token prompts on a tiny gemma3_text with a
+1024-token window: 6,553,600 B patched against 1,617,920 B upstream, which
+itself keeps 256-token steps of padding); and ``fetch_nearest_cache``
+deep-copies the entry on every hit, so a hit briefly holds the entry twice
+before the working cache grows (ml-explore/mlx-lm#1395).
+
+Here ``insert_cache`` stores a compact copy (``_copy_cache``): every array
+holds exactly the live tokens, copied and evaluated (a wrapped ring in
+temporal order; ``KVCache`` and ``ChunkedKVCache`` without their padding;
+quantized caches as their packed live tokens; ``CacheList`` and
+``ArraysCache`` layer by layer; objects of other classes deep-copied as
+upstream fetches them), so an entry's ``nbytes`` is its live tokens'
+bytes. ``fetch_nearest_cache`` hands out caches whose arrays share
+the entry's buffers: the working cache's first update allocates (a ring its
+``max_size`` slots, a ``KVCache`` its next step) and copies the tokens in
+once, so a hit peaks at the entry plus one working cache.
+
+``LRUPromptCache(..., bits=8)`` (or 4) keeps entries quantized at rest: each
+``KVCache`` layer is stored as a ``QuantizedKVCache`` of ``bits`` and
+``group_size``, each ``RotatingKVCache`` (a sliding layer) as a
+``QuantizedRotatingKVCache`` of its live tokens, slack and undo ring
+included (about 0.53x and 0.28x of bfloat16's bytes with group size 64),
+and a fetch gives it back dequantized into a cache of the original class
+and dtype, so a batch computes at its own precision while 2-4x more
+entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
+for a server whose working caches are not quantized: every quantized entry,
+also one read back from a disk tier (``_working``), is dequantized on fetch.
+
+Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
+``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
+assembles the entry (``_working_cache``), an entry leaving (replaced, a
+prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns
+its layers holding their blocks, which a disk tier writes as blocks), and
+``nbytes`` counts each block once. The layers cut into blocks are cut from
+the working cache: their blocks and tail are the one copy an insert makes.
+
+Every eviction goes through ``_evict``, which pops the least recently used
+entry, updates the byte counters and returns ``(model, tokens, entry)``: one
+place for a subclass to spill what leaves memory (a disk tier). Whether an
+entry can be trimmed back to a common prefix is ``_trimmable``.
+"""
+
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from .._registry import Patch, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
+    from mlx_lm.models.cache import (
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        PromptBlocks,
+        PromptTrie,
+        QuantizedKVCache,
+        QuantizedRotatingKVCache,
+        RotatingKVCache,
+        _BaseCache,
+        can_trim_prompt_cache,
+        trim_prompt_cache,
+    )
+
+
+# Written as they read in mlx_lm/models/cache.py, and run there.
+def _live_state(cache):
+    """``cache.state`` with only the live tokens (a wrapped ring in temporal order)."""
+    state = cache.state
+    if isinstance(cache, RotatingKVCache) and cache.offset > cache.max_size:
+        keys, values = tree_map(cache._temporal_order, state[:2])
+        return (keys, values, *state[2:5], cache.max_size, *state[6:])
+    if isinstance(cache, (KVCache, ChunkedKVCache)) and cache.keys is not None:
+        n = cache.offset - getattr(cache, "start_position", 0)
+        return (cache.keys[..., :n, :], cache.values[..., :n, :], *state[2:])
+    return state
+
+
+def _copy_cache(cache, copy_array):
+    """A cache like ``cache`` whose arrays are ``copy_array`` of its live
+    state's, evaluated (``mx.array`` copies them, ``copy.copy`` shares their
+    buffers)."""
+    if not isinstance(cache, _BaseCache):  # not a cache of this module
+        return copy.deepcopy(cache)
+    new = copy.copy(cache)
+    if isinstance(cache, CacheList):
+        new.caches = tuple(_copy_cache(c, copy_array) for c in cache.caches)
+    else:
+        new.state = tree_map(
+            lambda x: copy_array(x) if isinstance(x, mx.array) else x,
+            _live_state(cache),
+        )
+        mx.eval(new.state)
+    return new
+
+
+class LRUPromptCache:
+    def __init__(
+        self,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        *,
+        bits: Optional[int] = None,
+        group_size: int = 64,
+    ):
+        # Checked here: a bad size kept nothing, 8.0 bits failed at the first insert.
+        if type(max_size) is not int or max_size < 0:
+            raise ValueError(
+                f"LRUPromptCache: max_size must be an integer >= 0, got {max_size!r}"
+            )
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise ValueError(
+                f"LRUPromptCache: max_bytes must be an integer >= 0, got {max_bytes!r}"
+            )
+        if bits is not None and (type(bits) is not int or bits not in (4, 8)):
+            raise ValueError(f"LRUPromptCache: bits must be 4 or 8, got {bits!r}")
+        if type(group_size) is not int or group_size not in (32, 64, 128):
+            raise ValueError(
+                f"LRUPromptCache: group_size must be 32, 64 or 128, got {group_size!r}"
+            )
+        self.max_size = max_size
+        self.max_bytes = max_bytes
+        # Entries kept quantized at rest (``KVCache`` layers), dequantized on fetch
+        self.bits = bits
+        self.group_size = group_size
+        self._trie = PromptTrie()
+        self._lru = LRUPromptCache.CacheOrder()
+        self._n_bytes = 0
+        self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
+        self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
+
+    @property
+    def nbytes(self):
+        return self._n_bytes + self._blocks.nbytes
+
+    def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        result = self._trie.search(model, tokens)
+        if result.exact is not None:
+            cache_entry = self._trie.get(result.model, result.exact)
+            return self._working_cache(cache_entry), []
+
+        short_length = len(result.shorter) if result.shorter is not None else 0
+        if result.longer is not None and result.common_prefix > short_length:
+            cache_entry = self._trie.get(result.model, result.longer)
+            prefix = min(len(tokens) - 1, result.common_prefix)
+            num_to_trim = len(result.longer) - prefix
+            if self._trimmable(cache_entry.prompt_cache, num_to_trim):
+                cache = self._working_cache(cache_entry)
+                trim_prompt_cache(cache, num_to_trim)
+                return cache, tokens[prefix:]
+            # A wrapped ring's checkpoint instead (prompt_cache_checkpoints)
+            if any(getattr(c, "checkpoints", ()) for c in cache_entry.prompt_cache):
+                cache, at = self._from_checkpoint(
+                    cache_entry, len(result.longer), prefix
+                )
+                if at > short_length:
+                    return cache, tokens[at:]
+
+        if short_length > 0:
+            cache_entry = self._trie.get(result.model, result.shorter)
+            return self._working_cache(cache_entry), tokens[short_length:]
+
+        return None, tokens
+
+    def _trimmable(self, prompt_cache: List[Any], n: int) -> bool:
+        """Whether ``n`` tokens can be trimmed off a stored entry."""
+        return can_trim_prompt_cache(prompt_cache, n)
+
+    def _working_cache(self, cache_entry):
+        return self._working(self._blocks.assemble(cache_entry.prompt_cache))
+
+    def _working(self, prompt_cache):
+        """A cache to generate with, sharing the stored one's buffers until
+        written (quantized at rest: dequantized)."""
+        quantized = (QuantizedKVCache, QuantizedRotatingKVCache)
+        return [
+            (
+                c.to_kv_cache()
+                if self.bits is not None and isinstance(c, quantized)
+                else _copy_cache(c, copy.copy)
+            )
+            for c in prompt_cache
+        ]
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: List[int],
+        prompt_cache: List[Any],
+        *,
+        cache_type: str = "assistant",
+    ):
+        # An entry is found by its tokens: a cache holding more or fewer
+        # would be served as a prefix it is not.
+        for c in prompt_cache:
+            offset = getattr(c, "offset", None)
+            if isinstance(offset, int) and offset != len(tokens):
+                raise ValueError(
+                    f"LRUPromptCache.insert_cache: a {type(c).__name__} holding "
+                    f"{offset} tokens given for {len(tokens)} tokens"
+                )
+        # Store a copy of the live tokens, not the working buffers (layers
+        # cut into blocks are copied as their blocks and tail, once)
+        prompt_cache = [
+            (
+                c
+                if self.bits is None and self._blocks.count(c, tokens)
+                else self._at_rest(c)
+            )
+            for c in prompt_cache
+        ]
+        prompt_cache = self._blocks.share(model, tokens, prompt_cache)
+
+        # Make the cache entry
+        entry = LRUPromptCache.CacheEntry(
+            prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type
+        )
+
+        # Insert into the trie and update the byte counter and lru position
+        self._n_bytes += entry.nbytes
+        self._n_bytes_by_type[cache_type] += entry.nbytes
+        prev = self._trie.add(model, tokens, entry)
+        if prev is not None:
+            self._blocks.release(prev.prompt_cache)
+            self._n_bytes -= prev.nbytes
+            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._lru.remove(model, tokens)
+        self._lru.push(model, tokens, cache_type)
+
+        # If it is a trimmable cache remove all prefixes cause they just take
+        # space
+        if can_trim_prompt_cache(prompt_cache):
+            for prefix_len, entry in self._trie.pop_prefixes(model, tokens):
+                self._blocks.release(entry.prompt_cache)
+                self._n_bytes -= entry.nbytes
+                self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+                self._lru.remove(model, tokens[:prefix_len])
+
+        # Ensure we match the constraints
+        self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+
+    def _at_rest(self, cache):
+        """A copy of ``cache``'s live tokens as an entry keeps them."""
+        if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
+            return _copy_cache(cache, mx.array)
+        live = _copy_cache(cache, copy.copy)  # shares the buffers
+        quantized = live.to_quantized(group_size=self.group_size, bits=self.bits)
+        mx.eval(quantized.state)
+        return quantized
+
+    def trim_to(
+        self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
+    ):
+        n_sequences = max(0, n_sequences) if n_sequences is not None else 1 << 63
+        n_bytes = max(0, n_bytes) if n_bytes is not None else 1 << 63
+
+        while len(self._lru) > n_sequences:
+            self._evict()
+        while self.nbytes > n_bytes:
+            self._evict()
+
+    def _evict(self):
+        """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
+        model, tokens = self._lru.pop()
+        entry = self._trie.pop(model, tokens)
+        entry.prompt_cache = self._blocks.release(entry.prompt_cache)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        return model, tokens, entry
+
+
+PATCH = Patch(
+    "prompt_cache_store",
+    "LRUPromptCache: entries hold live tokens only, fetched without a deep "
+    "copy; one _evict for every eviction",
+    targets("mlx_lm.models.cache", _live_state, _copy_cache)
+    + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache.state",
+        "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)
+        "mlx_lm.models.cache:QuantizedRotatingKVCache",  # trims within its slack
+    ),
+)

@@ -44,7 +44,6 @@ from .generation import batch_generator_kv_bits, generate_kv_checks, speculative
 from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
 from .prompt_cache import (
     prompt_cache_blocks,
-    prompt_cache_checkpoints,
     prompt_cache_dir,
     prompt_cache_disk,
     prompt_cache_disk_blocks,
@@ -101,7 +100,6 @@ PATCHES: List[_registry.Patch] = [
     speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
     prompt_cache_blocks.PATCH,  # cache.py: PromptBlocks, shared prefix blocks
     prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
-    prompt_cache_checkpoints.PATCH,  # cache.py: ring checkpoints, restored on fetch
     prompt_cache_dir.PATCH,  # cache.py: PromptCacheDir, a directory servers share
     prompt_cache_disk_blocks.PATCH,  # cache.py: PromptBlockDir, shared block files
     prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache

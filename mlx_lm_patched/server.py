@@ -5,7 +5,7 @@ Its rotating caches (sliding-window layers, ``--max-kv-size``) step back
 end of the previous answer differently still reuses the previous turn's
 cache (see ``rotating_prealloc``), where upstream prefills it all again.
 They keep a checkpoint of their window every ``CHECKPOINT_EVERY`` tokens of
-a prompt (see ``prompt_cache_checkpoints``): a request that branches off a
+a prompt (see ``ring_checkpoints``): a request that branches off a
 cached prompt past the window (an edited message) prefills from the nearest
 checkpoint before the branch, not from the start.
 
@@ -58,8 +58,9 @@ def checked_main():
         lambda record: "indexing errors" not in record.getMessage()
     )
     RotatingKVCache.slack = SLACK
-    if _registry.is_applied("prompt_cache_checkpoints"):
+    if _registry.is_applied("rotating_prealloc"):
         RotatingKVCache.checkpoint_every = CHECKPOINT_EVERY
+    if _registry.is_applied("batch_rotating_prealloc"):
         BatchRotatingKVCache.checkpoint_every = CHECKPOINT_EVERY
     upstream_main()
     logging.shutdown()

@@ -12,20 +12,18 @@ Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)`` does
 (upstream's batch cache has no ``keep``). With ``keep=0`` the saved state is
 upstream's eight items, which plain mlx-lm loads; ``keep`` is a ninth item only
 when it is not 0. Once every row holds ``keep`` tokens (counted on the host, no
-sync) updates skip the sinks: their dozen small ops a layer made a
-BatchGenerator decode step 2.0x upstream's on an H100 (27.8 vs 13.6 ms, Llama-8B
-shape, 4 rows, ring 2048; 12.5 ms without them), and writing them never reads
-the ring, which would make MLX copy it.
+sync) updates skip the sinks (docs/benchmarks.md: their small ops doubled a
+decode step), and writing them never reads the ring, which would make MLX copy it.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
 token), a loaded cache can be updated (upstream: ``AttributeError: _lengths``),
 and ``trim`` rejects negative counts and never makes a row's offset negative.
 
-A batch with a ``slack`` keeps an undo ring over its columns while it decodes,
-as ``RotatingKVCache(slack=n)`` does (``_hold``); right padding and ``trim``
-reset it and it fills again over the next decode steps. Rows bring their slack
-and take their evicted tokens back out through ``batch_rotating_rows``.
+A batch with a ``slack`` keeps an undo ring over its columns while it decodes
+(``_hold``), reset by right padding and ``trim``; rows bring their slack and
+take their evicted tokens back out (``batch_rotating_rows``). A batch takes
+window checkpoints as rings do (``ring_checkpoints``).
 """
 
 from typing import TYPE_CHECKING, List, Optional
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, List, Optional
 import mlx.core as mx
 
 from .._registry import Patch, targets
+from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from .rotating_prealloc import (
@@ -60,8 +59,13 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks. ``_fewest``: at
     # most the fewest real tokens of any row, known without a sync; once it
     # reaches ``keep`` every row's sinks are full and updates skip them.
-    checkpoint_every = 0  # as RotatingKVCache's: see prompt_cache_checkpoints
+    checkpoint_every = 0  # as RotatingKVCache's
     checkpoints = ()
+    max_checkpoints = 4
+    _checkpoint = ring_checkpoints.BatchRotatingKVCache._checkpoint
+    # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
+    # its own positions; the batch's own, taken since, are ``checkpoints``.
+    row_checkpoints = ()
 
     def __init__(self, max_size, left_padding: List[int], keep: int = 0):
         if max_size < 1:

@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from .._registry import Patch, cache_class, pasted_into, targets
+from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from .quantized_cache import _check_quantized, _kv_quantize
@@ -59,6 +60,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     # With ``slack``, ``_undo_keys``/``_undo_values`` are quantized tuples too
     # (each part ``(B, H, 2 * slack, ...)``), ``_lo``/``_hi`` as the ring's.
+    _join_checkpoints = ring_checkpoints.QuantizedRotatingKVCache._join_checkpoints
 
     def __init__(
         self, max_size, keep=0, group_size: int = 64, bits: int = 8, slack=None

@@ -7,14 +7,11 @@ first update allocates the ``max_size`` ring once; decode and chunks within
 the ring write into it in place. A multi-token update that runs past the ring
 gives attention a transient of the last ``max_size - 1`` tokens plus the
 chunk (the same keys, in the same order, as upstream) and keeps a ring of
-the newest tokens, copied from it. Writing into the old ring instead would
-need a sync inside the model (its readers done first, or MLX copies it
-anyway): on an H100 (Llama-8B shape, ring 4096, 2048-token chunks) the
-per-layer ``mx.eval`` doing that took 16-25% of the prefill time. A chunk of
-256 tokens or more is pipelined instead (``_pipeline``): each layer's update
-is scheduled and waits for the previous layer's, so a chunk holds about two
-layers in flight (1.1 GiB), not its whole graph (6.4 GiB, as ``KVCache``'s
-chunks: 5.6-11 GiB), in the same time.
+the newest tokens, copied from it (writing into the old ring instead would
+need a sync inside the model: docs/benchmarks.md). A chunk of 256 tokens or
+more is pipelined (``_pipeline``): each layer's update is scheduled and waits
+for the previous layer's, so a chunk holds about two layers in flight, not
+its whole graph.
 
 Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
 from the later queries of a chunk, and rolls the single-token mask as if
@@ -28,12 +25,12 @@ evicted, copied ``n`` at a time just before they are evicted (one gather and
 scatter every ``n`` decode steps, which attention depends on, so the ring is
 still written in place), and ``trim(k)`` puts back up to ``n`` of them
 exactly; ``trimmable_tokens()`` says how many. Beyond that, trims of a
-wrapped ring raise and change nothing. The class attribute
-``RotatingKVCache.slack`` (0) is the default of rings a model makes itself;
-with ``slack`` the state carries five more items (the undo ring, slack and
-the positions it holds). Upstream cannot trim a wrapped ring at all, so
-prefix reuse on sliding-window models and speculative decoding with a
-bounded cache fail (ml-explore/mlx-lm#980).
+wrapped ring raise and change nothing. With ``slack`` the state carries five
+more items (the undo ring, slack and the positions it holds). Upstream cannot
+trim a wrapped ring at all, so prefix reuse on sliding-window models and
+speculative decoding with a bounded cache fail (ml-explore/mlx-lm#980).
+``RotatingKVCache(..., checkpoint_every=n)`` keeps copies of its window
+(``ring_checkpoints``).
 """
 
 from typing import Optional
@@ -41,6 +38,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .._registry import Patch, pasted_into, targets
+from . import ring_checkpoints
 
 
 def _check_update(cache, keys, values):
@@ -186,9 +184,11 @@ class RotatingKVCache:
     # prompts whose end is re-rendered.
     slack = 0
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
-    # the window in ``checkpoints`` (``prompt_cache_checkpoints``); 0: none.
+    # the window in ``checkpoints`` (``_checkpoint``); 0: none.
     checkpoint_every = 0
     checkpoints = ()
+    max_checkpoints = 4
+    _checkpoint = ring_checkpoints.RotatingKVCache._checkpoint
 
     def __init__(self, max_size, keep=0, slack=None):
         if max_size < 1:

@@ -71,12 +71,12 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     from mlx_lm.models.cache import can_trim_prompt_cache
 
     from ..caches.host_export import prompt_cache_state
-    from .prompt_cache_checkpoints import _back_to, _disk_restore_point
     from .prompt_cache_files import (
         _prompt_cache_from_arrays,
         prompt_cache_layout,
         prompt_cache_mismatch,
     )
+    from .prompt_cache_store import _back_to, _disk_restore_point
 
 
 class DiskPromptCache(PromptBlockDir):

@@ -13,8 +13,8 @@ import stat
 import threading
 
 import pytest
+from cache_dir import block_files, named_blocks, written
 from harness import REPORT, WORDS, Server, system_chat
-from test_server_disk_blocks import block_files, named_blocks, written
 
 from mlx_lm_patched.demo import tiny
 

@@ -11,10 +11,10 @@ import re
 import threading
 
 import pytest
+from cache_dir import entries, interrupt, load_entry
 from harness import LONG, OTHER_LONG, WORDS, Server, generate, text_of
-from test_server_prompt_cache_disk import entries, interrupt, load_entry
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny_train
 from mlx_lm_patched.server import SLACK
 
 RING = 64
@@ -28,7 +28,7 @@ KV8 = ["--kv-bits", 8, "--quantized-kv-start", 0]
 
 @pytest.fixture(scope="module")
 def demo():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 def chat(server, text, **extra):

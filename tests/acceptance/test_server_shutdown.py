@@ -18,7 +18,7 @@ import time
 import pytest
 from harness import REPORT, Server
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny, tiny_train
 from mlx_lm_patched.prompt_cache.prompt_cache_disk import DiskPromptCache
 
 # The stop's bound without a disk tier (the generation thread's and the
@@ -30,7 +30,7 @@ CLIENTS = 6
 
 @pytest.fixture(scope="module")
 def demo_model():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 def prefilling(server, clients=CLIENTS):

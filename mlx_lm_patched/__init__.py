@@ -161,20 +161,6 @@ def status() -> Dict[str, dict]:
     }
 
 
-_formatwarning = warnings.formatwarning
-
-
-def _format_warning(message, category, filename, lineno, line=None):
-    """This package's warnings in one line, without the source line Python
-    adds; every other warning as before."""
-    text = str(message)
-    if issubclass(category, PatchDriftWarning) or text.startswith("mlx_lm_patched:"):
-        return f"{category.__name__}: {text}\n"
-    return _formatwarning(message, category, filename, lineno, line)
-
-
-warnings.formatwarning = _format_warning
-
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()
 

@@ -389,7 +389,8 @@ def check_needs(patches: List[Patch]):
     provider = {t.name: p.name for p in patches for t in p.targets}
     seen: set = set()
     for patch in patches:
-        later = [n for n in _needs(patch.targets) if provider.get(n, "") not in seen]
+        needs = _needs(patch.targets) + sorted(_attribute_needs(patch.targets))
+        later = [n for n in needs if provider.get(n, "") not in seen]
         later = [n for n in later if n in provider and provider[n] != patch.name]
         if later:
             raise ValueError(f"patch {patch.name!r} reads {later}, of later patches")
@@ -404,7 +405,7 @@ def _is_helper(t: Target) -> bool:
 
 def _needs(targets: List[Target]) -> List[str]:
     """The objects (``Target.name``) other patches add that ``targets``' code
-    reads: global names, and attributes (``_attribute_needs``)."""
+    reads as global names."""
     own = {t.key for t in targets}
     out = set()
     for t in targets:
@@ -416,19 +417,32 @@ def _needs(targets: List[Target]) -> List[str]:
                 for n in added & _global_reads(fn.__code__)
                 if (module, n) not in own
             )
-    return sorted(out | _attribute_needs(targets))
+    return sorted(out)
+
+
+# Attribute opcodes, and the shift of their argument to the name's index
+# (3.12 packs flags into LOAD_ATTR's low bit, LOAD_SUPER_ATTR's low two).
+_READS = {
+    dis.opmap[n]: int(n == "LOAD_ATTR" and sys.version_info >= (3, 12))
+    + 2 * (n == "LOAD_SUPER_ATTR")
+    for n in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR")
+    if n in dis.opmap
+}
+_STORE_ATTR, _EXTENDED_ARG = dis.opmap["STORE_ATTR"], dis.opmap["EXTENDED_ARG"]
 
 
 @functools.lru_cache(maxsize=None)
 def _attributes(code: types.CodeType) -> Tuple[frozenset, frozenset]:
     """The attribute names ``code`` (and the code nested in it) reads, and
-    those it sets."""
-    reads, sets = set(), set()
-    for op in dis.get_instructions(code):
-        if op.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
-            reads.add(op.argval)
-        elif op.opname == "STORE_ATTR":
-            sets.add(op.argval)
+    those it sets: read off the bytecode as ``_merge._global_reads`` does."""
+    reads, sets, raw, ext = set(), set(), code.co_code, 0
+    for i in range(0, len(raw), 2):
+        op, arg = raw[i], raw[i + 1] | ext
+        ext = arg << 8 if op == _EXTENDED_ARG else 0
+        if op in _READS:
+            reads.add(code.co_names[arg >> _READS[op]])
+        elif op == _STORE_ATTR:
+            sets.add(code.co_names[arg])
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             more = _attributes(const)
@@ -478,8 +492,10 @@ def _attribute_needs(targets: List[Target]) -> set:
 
 def requirements(patch: Patch) -> List[str]:
     """What ``patch`` needs: its ``requires`` (patches or objects, by name)
-    and the objects of other patches its code reads."""
-    return sorted(set(patch.requires) | set(_needs(patch.targets)))
+    and the objects of other patches its code reads (global names and class
+    attributes; its helpers alone read only their arguments' attributes)."""
+    needs = set(_needs(patch.targets)) | _attribute_needs(patch.targets)
+    return sorted(set(patch.requires) | needs)
 
 
 def _is_installed(name: str) -> bool:

@@ -168,6 +168,17 @@ def test_bounded_run_warns_in_one_line_without_source(tiny_model_dir):
     assert "make_prompt_cache(" not in done.stderr
 
 
+def test_importing_leaves_the_warning_hooks_of_the_process_alone():
+    """Only the fronts show this package's warnings in one line (while they
+    run); importing it changes no process-wide hook."""
+    code = (
+        "import warnings; hooks = warnings.formatwarning, warnings.showwarning; "
+        "import mlx_lm_patched; "
+        "assert (warnings.formatwarning, warnings.showwarning) == hooks"
+    )
+    assert python("-c", code).returncode == 0
+
+
 def test_status_command_prints_a_table():
     done = python("-m", "mlx_lm_patched", "status")
     lines = done.stdout.splitlines()

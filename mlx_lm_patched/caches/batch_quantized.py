@@ -266,8 +266,12 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         keep: int = 0,
         group_size: int = 64,
         bits: int = 8,
+        checkpoint_every: int = 0,
+        max_checkpoints: int = 4,
     ):
-        BatchRotatingKVCache.__init__(self, max_size, left_padding, keep)
+        BatchRotatingKVCache.__init__(
+            self, max_size, left_padding, keep, checkpoint_every, max_checkpoints
+        )
         self.group_size = group_size
         self.bits = bits
         self.dtype = None
@@ -345,7 +349,13 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
     def extract(self, idx):
         row = BatchRotatingKVCache.extract(self, idx)
         cache = QuantizedRotatingKVCache(
-            self.max_size, self.keep, self.group_size, self.bits, row.slack
+            self.max_size,
+            self.keep,
+            self.group_size,
+            self.bits,
+            row.slack,
+            row.checkpoint_every,
+            row.max_checkpoints,
         )
         cache.offset, cache._lo, cache._hi = row.offset, row._lo, row._hi
         cache.checkpoints = row.checkpoints
@@ -368,7 +378,9 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         # Each row as a RotatingKVCache of packed tokens, merged as those are.
         rows = []
         for c in caches:
-            row = RotatingKVCache(c.max_size, c.keep, c.slack)
+            row = RotatingKVCache(
+                c.max_size, c.keep, c.slack, c.checkpoint_every, c.max_checkpoints
+            )
             if c.keys is not None:
                 row.keys, row.values = cls._pack(c, c.keys), cls._pack(c, c.values)
             row.offset, row._idx, row.checkpoints = c.offset, c._idx, c.checkpoints
@@ -399,7 +411,13 @@ class _BatchRotatingKVCache:
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         B = self.offset.shape[0]
         cache = BatchQuantizedRotatingKVCache(
-            self.max_size, [0] * B, self.keep, group_size, bits
+            self.max_size,
+            [0] * B,
+            self.keep,
+            group_size,
+            bits,
+            self.checkpoint_every,
+            self.max_checkpoints,
         )
         # New arrays: ``-=`` on a shared one would move both caches.
         cache.left_padding = mx.array(self.left_padding)

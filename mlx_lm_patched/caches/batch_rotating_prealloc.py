@@ -59,15 +59,23 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks. ``_fewest``: at
     # most the fewest real tokens of any row, known without a sync; once it
     # reaches ``keep`` every row's sinks are full and updates skip them.
-    checkpoint_every = 0  # as RotatingKVCache's
-    checkpoints = ()
+    # As RotatingKVCache's (``__init__`` sets them; ``merge`` takes its rows').
+    checkpoint_every = 0
     max_checkpoints = 4
+    checkpoints = ()
     _checkpoint = ring_checkpoints.BatchRotatingKVCache._checkpoint
     # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
     # its own positions; the batch's own, taken since, are ``checkpoints``.
     row_checkpoints = ()
 
-    def __init__(self, max_size, left_padding: List[int], keep: int = 0):
+    def __init__(
+        self,
+        max_size,
+        left_padding: List[int],
+        keep: int = 0,
+        checkpoint_every: int = 0,
+        max_checkpoints: int = 4,
+    ):
         if max_size < 1:
             raise ValueError(
                 f"BatchRotatingKVCache: max_size must be >= 1, got {max_size}"
@@ -89,6 +97,7 @@ class BatchRotatingKVCache:
         # not evict valid tokens.
         self._lengths = None
         self._reset_undo(0)
+        self.checkpoint_every, self.max_checkpoints = checkpoint_every, max_checkpoints
 
     @property
     def left_padding(self):

@@ -123,7 +123,13 @@ class BatchRotatingKVCache:
             raise IndexError(
                 f"BatchRotatingKVCache.extract: row {idx} out of range for {B} rows"
             )
-        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
+        cache = RotatingKVCache(
+            self.max_size,
+            self.keep,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
+        )
         mx.eval(self.left_padding, self.offset)
         cache.offset = self.offset.tolist()[idx]
         if self.keys is None:
@@ -202,7 +208,13 @@ class BatchRotatingKVCache:
         # Each row keeps its sinks and its newest ``R`` tokens as columns.
         columns = [min(c.offset, max_size - keep) for c in caches]
         n = max(columns)
-        cache = cls(max_size, [0] * len(caches), keep)
+        cache = cls(
+            max_size,
+            [0] * len(caches),
+            keep,
+            checkpoint_every=max(c.checkpoint_every for c in caches),
+            max_checkpoints=max(c.max_checkpoints for c in caches),
+        )
         cache._reset_undo(max(c.slack for c in caches))
         if n == 0:
             return cache

@@ -63,9 +63,18 @@ class QuantizedRotatingKVCache(RotatingKVCache):
     _join_checkpoints = ring_checkpoints.QuantizedRotatingKVCache._join_checkpoints
 
     def __init__(
-        self, max_size, keep=0, group_size: int = 64, bits: int = 8, slack=None
+        self,
+        max_size,
+        keep=0,
+        group_size: int = 64,
+        bits: int = 8,
+        slack=0,
+        checkpoint_every=0,
+        max_checkpoints=4,
     ):
-        RotatingKVCache.__init__(self, max_size, keep, slack)
+        RotatingKVCache.__init__(
+            self, max_size, keep, slack, checkpoint_every, max_checkpoints
+        )
         # As in QuantizedKVCache (see its __init__).
         self.group_size = group_size
         self.bits = bits
@@ -92,7 +101,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         rings, out = [], []
         undo = [self._undo_keys or (None,) * 3, self._undo_values or (None,) * 3]
         for i, parts in enumerate(zip(self.keys, self.values, *undo)):
-            ring = RotatingKVCache(self.max_size, self.keep, self.slack)
+            ring = RotatingKVCache(
+                self.max_size,
+                self.keep,
+                self.slack,
+                self.checkpoint_every,
+                self.max_checkpoints,
+            )
             ring.keys, ring.values, ring._undo_keys, ring._undo_values = parts
             ring.offset, ring._idx = self.offset, self._idx
             ring._lo, ring._hi = self._lo, self._hi
@@ -233,7 +248,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     def to_kv_cache(self):
         """The ring dequantized into a ``RotatingKVCache`` of the original dtype."""
-        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
+        cache = RotatingKVCache(
+            self.max_size,
+            self.keep,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
+        )
         if self.keys is None or self.offset == 0:
             return cache
         dtype = getattr(mx, self.dtype)
@@ -277,7 +298,13 @@ class _RotatingKVCache:
         self, group_size: int = 64, bits: int = 4
     ) -> "QuantizedRotatingKVCache":
         cache = QuantizedRotatingKVCache(
-            self.max_size, self.keep, group_size, bits, self.slack
+            self.max_size,
+            self.keep,
+            group_size,
+            bits,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
         )
         if self.keys is not None and self.offset > 0:
             # Upstream's layout past the ring becomes the ring's; a shorter

@@ -179,29 +179,33 @@ class RotatingKVCache:
     # they are evicted, the oldest in the window, so ``trim`` can put back
     # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
-    # What rings made without a ``slack`` argument get (a model's
-    # ``make_cache``), at most their window: a server sets it to reuse
-    # prompts whose end is re-rendered.
-    slack = 0
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
-    # the window in ``checkpoints`` (``_checkpoint``); 0: none.
+    # the window in ``checkpoints``, the newest ``max_checkpoints``
+    # (``_checkpoint``); 0: none. ``__init__`` sets these and ``slack``; the
+    # class values are those of a ring made from a state (``from_state``).
+    slack = 0
     checkpoint_every = 0
-    checkpoints = ()
     max_checkpoints = 4
+    checkpoints = ()
     _checkpoint = ring_checkpoints.RotatingKVCache._checkpoint
 
-    def __init__(self, max_size, keep=0, slack=None):
+    def __init__(
+        self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=4
+    ):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         # The newest token needs a slot of its own: a ring no larger than
         # ``keep`` keeps ``max_size - 1`` first tokens.
         self.keep = min(keep, max_size - 1)
-        if slack is None:
-            slack = min(type(self).slack, max_size - self.keep)
         if not 0 <= slack <= max_size - self.keep:
             raise ValueError(
                 f"RotatingKVCache: slack must be in [0, {max_size - self.keep}] "
                 f"(max_size - keep), got {slack}"
+            )
+        if checkpoint_every < 0 or max_checkpoints < 1:
+            raise ValueError(
+                f"RotatingKVCache: need checkpoint_every >= 0 and max_checkpoints "
+                f">= 1, got {checkpoint_every} and {max_checkpoints}"
             )
         self.keys = None
         self.values = None
@@ -209,6 +213,7 @@ class RotatingKVCache:
         self.max_size = max_size
         self._idx = 0
         self.slack = slack
+        self.checkpoint_every, self.max_checkpoints = checkpoint_every, max_checkpoints
         self._undo_keys = self._undo_values = None
         self._lo = self._hi = 0
         self._step = None  # a decode step's (keys shape, values shape)

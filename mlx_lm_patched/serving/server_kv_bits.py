@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _image_parts,
         _make_logits_processors,
         _make_sampler,
+        make_prompt_cache,
     )
 
 
@@ -177,6 +178,13 @@ class ResponseGenerator:
                     cache, rest = self.prompt_cache.fetch_nearest_cache(
                         current_model_key, prompt
                     )
+                    if cache is None:  # rings with the server's slack, checkpoints
+                        cache = make_prompt_cache(
+                            self.model_provider.model,
+                            getattr(self.cli_args, "max_kv_size", None),
+                            getattr(self.cli_args, "prompt_cache_slack", 0),
+                            getattr(self.cli_args, "prompt_cache_checkpoint_every", 0),
+                        )
                     timing["fetch"] = time.perf_counter()
                     prompt_cache_count = len(prompt) - len(rest)
                     N = prompt_cache_count
@@ -391,5 +399,8 @@ PATCH = Patch(
     "server: batch requests with --kv-bits, passing it to BatchGenerator",
     targets("mlx_lm.server", _failing_alone, _log_timing)
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
-    requires=("mlx_lm.generate:BatchGenerator.__init__",),  # kv_bits
+    requires=(
+        "mlx_lm.generate:BatchGenerator.__init__",  # kv_bits
+        "mlx_lm.models.cache:make_prompt_cache",  # slack, checkpoint_every
+    ),
 )

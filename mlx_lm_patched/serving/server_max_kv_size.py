@@ -83,12 +83,16 @@ class ResponseGenerator:
             )
             ctx.prompt_cache_count = len(prompt) - len(rest)
             rest = prompt[ctx.prompt_cache_count :]
-            if cache is None:
-                max_kv_size = getattr(self.cli_args, "max_kv_size", None)
-                cache = make_prompt_cache(self.model_provider.model, max_kv_size)
+            if cache is None:  # with the server's ring slack and checkpoints
+                options = (
+                    getattr(self.cli_args, "max_kv_size", None),
+                    getattr(self.cli_args, "prompt_cache_slack", 0),
+                    getattr(self.cli_args, "prompt_cache_checkpoint_every", 0),
+                )
+                cache = make_prompt_cache(self.model_provider.model, *options)
                 if self.model_provider.draft_model is not None:
                     cache += make_prompt_cache(
-                        self.model_provider.draft_model, max_kv_size
+                        self.model_provider.draft_model, *options
                     )
 
             # The images after the cached tokens.
@@ -165,5 +169,8 @@ PATCH = Patch(
     "server_max_kv_size",
     "server: --max-kv-size N makes every conversation's cache a ring of N tokens",
     targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
-    requires=("mlx_lm.models.cache:_bound_layers",),
+    requires=(
+        "mlx_lm.models.cache:_bound_layers",
+        "mlx_lm.models.cache:make_prompt_cache",  # slack, checkpoint_every
+    ),
 )

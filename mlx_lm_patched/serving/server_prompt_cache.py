@@ -419,6 +419,27 @@ def main():
         default=64,
         help="Group size of --prompt-cache-bits (default: 64)",
     )
+    # A chat template's re-rendered tail (an end-of-turn marker, a stripped
+    # space, a changed last word) is a few tokens.
+    parser.add_argument(
+        "--prompt-cache-slack",
+        type=int,
+        default=8,
+        help="Tokens a rotating cache layer (a sliding window, a --max-kv-size "
+        "ring) can be trimmed back after it wraps, so a chat whose client "
+        "re-renders the end of the previous answer reuses its cache; at most "
+        "the window (default: 8)",
+    )
+    # Four of them (``max_checkpoints``) cover the last 2,048 tokens.
+    parser.add_argument(
+        "--prompt-cache-checkpoint-every",
+        type=int,
+        default=512,
+        help="Rotating cache layers keep a copy of their window every this "
+        "many tokens of a prompt (the newest 4), so a request that branches "
+        "off a cached prompt past the window prefills from the nearest one; "
+        "0: none (default: 512)",
+    )
     parser.add_argument(
         "--max-kv-size",
         type=int,

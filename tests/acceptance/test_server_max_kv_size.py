@@ -12,10 +12,9 @@ import threading
 
 import pytest
 from cache_dir import entries, interrupt, load_entry
-from harness import LONG, OTHER_LONG, WORDS, Server, generate, text_of
+from harness import LONG, OTHER_LONG, SLACK, WORDS, Server, generate, text_of
 
 from mlx_lm_patched.demo import tiny_train
-from mlx_lm_patched.server import SLACK
 
 RING = 64
 # Prompts of 172 to 277 tokens: past the ring.

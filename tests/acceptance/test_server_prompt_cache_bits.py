@@ -9,9 +9,7 @@ steps back within its slack).
 import re
 
 from cache_dir import complete, entries, interrupt, load_entry
-from harness import LONG, OTHER_LONG, SHORT, WORDS, Server
-
-from mlx_lm_patched.server import SLACK
+from harness import LONG, OTHER_LONG, SHORT, SLACK, WORDS, Server
 
 
 def logged_bytes(server):

@@ -79,38 +79,41 @@ __all__ = [
 
 # Apply order; a patch may only require patches listed before it. Each
 # patch is its module's ``PATCH``: the module says what it fixes and why.
-PATCHES: List[_registry.Patch] = [
-    rotating_prealloc.PATCH,  # cache.py: RotatingKVCache
-    batch_rotating_prealloc.PATCH,  # cache.py: BatchRotatingKVCache
-    batch_rotating_rows.PATCH,  # cache.py: BatchRotatingKVCache merge & co.
-    bounded_attention.PATCH,  # base.py: scaled_dot_product_attention
-    prompt_cache_files.PATCH,  # cache.py: load_prompt_cache, _check_state
-    negative_trim.PATCH,  # cache.py: KVCache & co. trim(n < 0) raises
-    quantized_cache.PATCH,  # cache.py: QuantizedKVCache, KVCache.to_quantized
-    quantized_decode_kernel.PATCH,  # base.py: a CUDA decode kernel, packed cache
-    quantized_attention.PATCH,  # base.py: quantized_scaled_dot_product_attention
-    host_export.PATCH,  # cache.py: prompt_cache_to_host, HostPromptCache
-    generate_kv_checks.PATCH,  # generate.py: --kv-bits checked up front
-    max_kv_size.PATCH,  # cache.py: make_prompt_cache
-    quantized_ring.PATCH,  # cache.py: QuantizedRotatingKVCache
-    batch_quantized.PATCH,  # cache.py: BatchQuantizedKVCache, merges
-    batch_generator_kv_bits.PATCH,  # generate.py: BatchGenerator(kv_bits=...)
-    server_kv_bits.PATCH,  # server.py: batching with --kv-bits
-    ring_trim_slack.PATCH,  # cache.py: trim_prompt_cache exact or raises
-    speculative_bounded.PATCH,  # generate.py: --draft-model with bounded caches
-    prompt_cache_blocks.PATCH,  # cache.py: PromptBlocks, shared prefix blocks
-    prompt_cache_store.PATCH,  # cache.py: LRUPromptCache
-    prompt_cache_dir.PATCH,  # cache.py: PromptCacheDir, a directory servers share
-    prompt_cache_disk_blocks.PATCH,  # cache.py: PromptBlockDir, shared block files
-    prompt_cache_disk.PATCH,  # cache.py: DiskPromptCache
-    server_prompt_cache.PATCH,  # server.py: run, --prompt-cache-bytes
-    kvcache_pipeline.PATCH,  # cache.py: KVCache, BatchKVCache long chunks pipelined
-    server_failures.PATCH,  # server.py: a failing or abandoned request ends alone
-    server_requests.PATCH,  # server.py: bad requests get a 400 naming the parameter
-    server_max_kv_size.PATCH,  # server.py: --max-kv-size rings in _serve_single
-    server_http.PATCH,  # server.py: bursts, idle timeouts, a bounded stop
-    server_models.PATCH,  # server.py: /v1/models without a hub cache
-]
+MODULES = (
+    rotating_prealloc,  # cache.py: RotatingKVCache
+    batch_rotating_prealloc,  # cache.py: BatchRotatingKVCache
+    batch_rotating_rows,  # cache.py: BatchRotatingKVCache merge & co.
+    bounded_attention,  # base.py: scaled_dot_product_attention
+    prompt_cache_files,  # cache.py: load_prompt_cache, _check_state
+    negative_trim,  # cache.py: KVCache & co. trim(n < 0) raises
+    quantized_cache,  # cache.py: QuantizedKVCache, KVCache.to_quantized
+    quantized_decode_kernel,  # base.py: a CUDA decode kernel, packed cache
+    quantized_attention,  # base.py: quantized_scaled_dot_product_attention
+    host_export,  # cache.py: prompt_cache_to_host, HostPromptCache
+    generate_kv_checks,  # generate.py: --kv-bits checked up front
+    max_kv_size,  # cache.py: make_prompt_cache
+    quantized_ring,  # cache.py: QuantizedRotatingKVCache
+    batch_quantized,  # cache.py: BatchQuantizedKVCache, merges
+    batch_generator_kv_bits,  # generate.py: BatchGenerator(kv_bits=...)
+    server_kv_bits,  # server.py: batching with --kv-bits
+    ring_trim_slack,  # cache.py: trim_prompt_cache exact or raises
+    speculative_bounded,  # generate.py: --draft-model with bounded caches
+    prompt_cache_blocks,  # cache.py: PromptBlocks, shared prefix blocks
+    prompt_cache_store,  # cache.py: LRUPromptCache
+    prompt_cache_dir,  # cache.py: PromptCacheDir, a directory servers share
+    prompt_cache_disk_blocks,  # cache.py: PromptBlockDir, shared block files
+    prompt_cache_disk,  # cache.py: DiskPromptCache
+    server_prompt_cache,  # server.py: run, --prompt-cache-bytes
+    kvcache_pipeline,  # cache.py: KVCache, BatchKVCache long chunks pipelined
+    server_failures,  # server.py: a failing or abandoned request ends alone
+    server_requests,  # server.py: bad requests get a 400 naming the parameter
+    server_max_kv_size,  # server.py: --max-kv-size rings in _serve_single
+    server_http,  # server.py: bursts, idle timeouts, a bounded stop
+    server_models,  # server.py: /v1/models without a hub cache
+)
+PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
+# patch name -> its folder (caches, kernels, generation, prompt_cache, serving)
+FOLDERS: Dict[str, str] = {m.PATCH.name: m.__name__.split(".")[1] for m in MODULES}
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)
 _registry.check_needs(PATCHES)
@@ -151,6 +154,7 @@ def status() -> Dict[str, dict]:
     return {
         p.name: {
             "applied": _registry.is_applied(p.name),
+            "folder": FOLDERS[p.name],
             "summary": p.summary,
             "requires": _registry.requirements(p),
             "written_for": UPSTREAM_VERSION,

@@ -1,6 +1,6 @@
 """python -m mlx_lm_patched status | demo-model.
 
-``status``: which patches are applied, and drift. ``demo-model``: the path of
+``status``: which patches are applied, by folder, and drift. ``demo-model``: the path of
 the demo model (``tiny_train.demo_model_dir``), trained on first use: a model that
 needs no download, for the README's quick start."""
 
@@ -24,11 +24,15 @@ def status():
         f"{first['written_for']}, installed {first['installed']}"
     )
     width = max(map(len, rows))
-    for name, s in rows.items():
-        state = "applied" if s["applied"] else "not applied"
-        if s["drift"]:
-            state += "; drift: " + "; ".join(s["drift"])
-        print(f"  {name:<{width}}  {state:<11}  {s['summary']}")
+    for folder in dict.fromkeys(s["folder"] for s in rows.values()):
+        print(f"{folder}/")
+        for name, s in rows.items():
+            if s["folder"] != folder:
+                continue
+            state = "applied" if s["applied"] else "not applied"
+            if s["drift"]:
+                state += "; drift: " + "; ".join(s["drift"])
+            print(f"  {name:<{width}}  {state:<11}  {s['summary']}")
     applied = sum(s["applied"] for s in rows.values())
     print(f"{applied} of {len(rows)} patches applied")
     return 0 if applied == len(rows) else 1

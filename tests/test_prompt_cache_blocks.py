@@ -253,3 +253,32 @@ def test_a_file_naming_a_shared_layer_is_refused_naming_it(patched, tmp_path):
 def test_a_block_size_below_one_is_refused():
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         PromptBlocks(0)
+
+
+def test_a_chain_is_the_same_hashed_whole_or_from_the_last_chains():
+    """``chain`` reuses the digests of the last chains it made (a growing
+    conversation hashes only its new blocks): across models, edits,
+    shorter and longer prompts each chain equals the one hashed from
+    scratch (SHA-256 of the parent digest and the block's tokens)."""
+    import hashlib
+    import random
+
+    def scratch(model, tokens):
+        seed, out = hashlib.sha256(repr(model).encode()).digest(), []
+        for s in range(0, len(tokens) - SIZE + 1, SIZE):
+            block = repr(list(tokens[s : s + SIZE])).encode()
+            out.append(seed := hashlib.sha256(seed + block).digest())
+        return out
+
+    r = random.Random(0)
+    base = [r.randrange(1000) for _ in range(20 * SIZE)]
+    blocks = PromptBlocks()
+    for _ in range(200):
+        model = r.choice(["a", "b", ("c", None), "d", "e", "f"])
+        n = r.randrange(len(base))
+        tokens = base[:n]
+        if r.random() < 0.3:  # an edit: a prefix, then tokens of its own
+            tokens = tokens[: r.randrange(n + 1)] + [r.randrange(1000)] * r.randrange(
+                99
+            )
+        assert blocks.chain(model, tokens) == scratch(model, tokens)

@@ -101,6 +101,8 @@ class PromptBlocks:
     are its first ones: when the last ones leave, the rest are copied to a
     run of their own (``_compact``) and ``nbytes`` is what is held."""
 
+    _chains = {}  # (model, block size) -> (tokens, digests): the last chains
+
     def __init__(self, block_size: int = 64):
         if block_size < 1:
             raise ValueError(f"PromptBlocks: block_size must be >= 1, got {block_size}")
@@ -160,21 +162,34 @@ class PromptBlocks:
             template = copy.copy(c)
             template.keys = template.values = None
             out.append(SharedPrefixCache(template, state[2:], blocks, tail))
-        mx.eval(new)  # the new runs' and tails' copies, in one evaluation
+        mx.async_eval(new)  # the new runs' and tails' copies, scheduled at once
         return out
 
     def chain(self, model: Any, tokens: List[int]) -> List[bytes]:
         """The SHA-256 chain of ``tokens``' whole blocks: each digest covers
-        the block's tokens and its parent's digest, the first ``model``."""
+        the block's tokens and its parent's digest, the first ``model``. The
+        last chains are kept: a conversation's next insert hashes only the
+        blocks it adds."""
         import hashlib  # local: prompt_cache_dir adds it to the module, later
 
-        size, digests = self.block_size, []
-        seed = hashlib.sha256(repr(model).encode()).digest()
-        for start in range(0, len(tokens) - size + 1, size):
+        size, n = self.block_size, 0
+        was_tokens, was = PromptBlocks._chains.pop((model, size), ([], []))
+        end, at = min(len(was), len(tokens) // size), slice(0, size)
+        while n < end and list(tokens[at]) == was_tokens[at]:
+            n, at = n + 1, slice(at.stop, at.stop + size)
+        digests = was[:n]
+        seed = digests[-1] if n else hashlib.sha256(repr(model).encode()).digest()
+        for start in range(n * size, len(tokens) - size + 1, size):
             block = repr(list(tokens[start : start + size])).encode()
             seed = hashlib.sha256(seed + block).digest()
             digests.append(seed)
-        return digests
+        PromptBlocks._chains[model, size] = (
+            list(tokens[: len(digests) * size]),
+            digests,
+        )
+        while len(PromptBlocks._chains) > 4:  # the oldest chain goes
+            del PromptBlocks._chains[next(iter(PromptBlocks._chains))]
+        return list(digests)
 
     def count(self, cache: Any, tokens: List[int]) -> int:
         """The whole blocks ``share`` cuts ``cache``, the cache of ``tokens``,
@@ -207,7 +222,7 @@ class PromptBlocks:
                 lambda x: mx.array(x[..., : run[1] * self.block_size, :]), run[0]
             )
         if runs:
-            mx.eval([run[0] for run in runs])
+            mx.async_eval([run[0] for run in runs])
 
     def assemble(self, prompt_cache: List[Any]) -> List[Any]:
         """The entry's layers as the caches ``share`` was given, each shared

@@ -236,7 +236,7 @@ class DiskPromptCache(PromptBlockDir):
         try:
             self._present(name)  # anything but a file there is set aside
             new = {
-                b: self._seal(s)[0]
+                b: self._seal(s.host())[0]
                 for b, s in state.blocks.items()
                 if not self._present(b)
             }
@@ -274,7 +274,7 @@ class DiskPromptCache(PromptBlockDir):
         state = self._pending.get(name)
         if state is None:
             return None
-        found = {n: self._views(b) for n, b in state.blocks.items()}
+        found = {n: self._views(b.host()) for n, b in state.blocks.items()}
         arrays = self._join(self._views(state), state.metadata, found)
         return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
 

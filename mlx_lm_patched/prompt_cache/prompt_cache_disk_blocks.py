@@ -83,6 +83,30 @@ class _Columns:
         return self.array.view(dtype)[..., self.start : self.stop, :]
 
 
+class _Block:
+    """A queued block file: its ``HostPromptCache`` is built where it is read
+    (the writer thread, which writes only the blocks not on disk yet; a
+    fetch of a queued entry), not one per block and layer at ``put``."""
+
+    def __init__(self, shared: dict, runs: dict, held: list, j: int, meta: dict):
+        self.shared, self.runs, self.held, self.j, self.meta = (
+            shared,
+            runs,
+            held,
+            j,
+            meta,
+        )
+
+    def host(self):
+        arrays, dtypes = {}, {}
+        for i, _ in self.held:
+            run, _, _, _, start, stop = self.shared[i][0].blocks[self.j]
+            for k, dtype_name, shape, x in self.runs[i, id(run)]:
+                dtypes[k] = dtype_name
+                arrays[k] = _Columns(x, start, stop, shape, x.dtype)
+        return HostPromptCache(arrays, dtypes, self.meta)
+
+
 class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 
@@ -129,7 +153,7 @@ class PromptBlockDir(PromptCacheDir):
         """``(layers, metadata, blocks)``: ``cache`` as its entry file holds
         it (each ``SharedPrefixCache`` layer its tail), the ``blocks``
         metadata naming its block files ({} if none), and each block file's
-        ``HostPromptCache`` of MLX arrays (not copied)."""
+        ``_Block`` (its MLX arrays, not copied)."""
         layers, shared, blocks = list(cache), {}, {}
         for i, c in enumerate(cache):
             if isinstance(c, SharedPrefixCache):
@@ -148,25 +172,20 @@ class PromptBlockDir(PromptCacheDir):
         counts = {i: (len(c.blocks), lay) for i, (c, lay) in shared.items()}
         names = self._block_names(model, tokens, size, counts)
         runs = {}  # (layer, run) -> its arrays viewed as stored, evaluated once
+        for i, (c, _) in shared.items():
+            for run in {id(b[0]): b[0] for b in c.blocks}.values():
+                runs[i, id(run)] = [
+                    (f"{i}.{k}", str(x.dtype).split(".")[-1], x.shape)
+                    + ((x.view(mx.uint16),) if x.dtype == mx.bfloat16 else (x,))
+                    for k, x in tree_flatten(run[0])
+                ]
+        mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
         texts = {}  # id of a held list -> its JSON
         for j, (name, held, digest) in enumerate(names):
-            arrays, dtypes = {}, {}
-            for i, _ in held:
-                run, _, _, _, start, stop = shared[i][0].blocks[j]
-                if (i, id(run)) not in runs:
-                    runs[i, id(run)] = [
-                        (f"{i}.{k}", str(x.dtype).split(".")[-1], x.shape)
-                        + ((x.view(mx.uint16),) if x.dtype == mx.bfloat16 else (x,))
-                        for k, x in tree_flatten(run[0])
-                    ]
-                for k, dtype_name, shape, x in runs[i, id(run)]:
-                    dtypes[k] = dtype_name
-                    arrays[k] = _Columns(x, start, stop, shape, x.dtype)
             if id(held) not in texts:
                 texts[id(held)] = json.dumps(held)
             meta = {"0.model": model, "0.layers": texts[id(held)], "0.chain": digest}
-            blocks[name] = HostPromptCache(arrays, dtypes, meta)
-        mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
+            blocks[name] = _Block(shared, runs, held, j, meta)
         meta = {"size": size, "layers": {str(i): n for i, (n, _) in counts.items()}}
         meta["files"] = [name for name, _, _ in names]
         return layers, {"format": "2", "blocks": json.dumps(meta)}, blocks
@@ -467,11 +486,12 @@ class PromptBlockDir(PromptCacheDir):
 
 
 _Columns = cache_class("mlx_lm.models.cache", _Columns)
+_Block = cache_class("mlx_lm.models.cache", _Block)
 PromptBlockDir = cache_class("mlx_lm.models.cache", PromptBlockDir, PromptCacheDir)
 
 PATCH = Patch(
     "prompt_cache_disk_blocks",
     "PromptBlockDir: the disk tier writes shared prefix blocks as block files, "
     "once per directory, named by content, removed with the last entry naming them",
-    targets("mlx_lm.models.cache", _Columns, PromptBlockDir),
+    targets("mlx_lm.models.cache", _Columns, _Block, PromptBlockDir),
 )

@@ -84,8 +84,8 @@ def _live_state(cache):
 
 def _copy_cache(cache, copy_array):
     """A cache like ``cache`` whose arrays are ``copy_array`` of its live
-    state's, evaluated (``mx.array`` copies them, ``copy.copy`` shares their
-    buffers)."""
+    state's (``mx.array`` copies them, scheduled; ``copy.copy`` shares their
+    buffers). Nothing waits: a fetch or an insert never syncs the stream."""
     if not isinstance(cache, _BaseCache):  # not a cache of this module
         return copy.deepcopy(cache)
     new = copy.copy(cache)
@@ -96,7 +96,8 @@ def _copy_cache(cache, copy_array):
             lambda x: copy_array(x) if isinstance(x, mx.array) else x,
             _live_state(cache),
         )
-        mx.eval(new.state)
+        if copy_array is not copy.copy:
+            mx.async_eval(new.state)
     return new
 
 
@@ -326,7 +327,7 @@ class LRUPromptCache:
             return _copy_cache(cache, mx.array)
         live = _copy_cache(cache, copy.copy)  # shares the buffers
         quantized = live.to_quantized(group_size=self.group_size, bits=self.bits)
-        mx.eval(quantized.state)
+        mx.async_eval(quantized.state)
         return quantized
 
     def trim_to(

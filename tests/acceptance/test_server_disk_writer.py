@@ -16,14 +16,14 @@ import pytest
 from cache_dir import block_files, named_blocks, written
 from harness import REPORT, WORDS, Server, system_chat
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny_train
 
 SYSTEM = " ".join(WORDS[:120])  # a prefix every client shares: block files
 
 
 @pytest.fixture(scope="module")
 def demo():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 class Peak(threading.Thread):

@@ -13,8 +13,6 @@ them.
 """
 
 import builtins
-import dis
-import functools
 import importlib
 import inspect
 import sys
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _merge
+from . import _merge, _reads
 from ._merge import (
     MergeConflict,
     _global_reads,
@@ -384,17 +382,10 @@ def check_requires(patches: List[Patch]):
 
 def check_needs(patches: List[Patch]):
     """Raise if a patch's code reads an object (a global name, a class
-    attribute) that only a later patch provides: reverting or setting aside
-    that one would leave it failing."""
-    provider = {t.name: p.name for p in patches for t in p.targets}
-    seen: set = set()
-    for patch in patches:
-        needs = _needs(patch.targets) + sorted(_attribute_needs(patch.targets))
-        later = [n for n in needs if provider.get(n, "") not in seen]
-        later = [n for n in later if n in provider and provider[n] != patch.name]
-        if later:
-            raise ValueError(f"patch {patch.name!r} reads {later}, of later patches")
-        seen.add(patch.name)
+    attribute) that only a later patch provides (``_reads.check_order``)."""
+    _reads.check_order(
+        patches, lambda p: _needs(p.targets) + sorted(_attribute_needs(p.targets))
+    )
 
 
 def _is_helper(t: Target) -> bool:
@@ -420,74 +411,17 @@ def _needs(targets: List[Target]) -> List[str]:
     return sorted(out)
 
 
-# Attribute opcodes, and the shift of their argument to the name's index
-# (3.12 packs flags into LOAD_ATTR's low bit, LOAD_SUPER_ATTR's low two).
-_READS = {
-    dis.opmap[n]: int(n == "LOAD_ATTR" and sys.version_info >= (3, 12))
-    + 2 * (n == "LOAD_SUPER_ATTR")
-    for n in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR")
-    if n in dis.opmap
-}
-_STORE_ATTR, _EXTENDED_ARG = dis.opmap["STORE_ATTR"], dis.opmap["EXTENDED_ARG"]
-
-
-@functools.lru_cache(maxsize=None)
-def _attributes(code: types.CodeType) -> Tuple[frozenset, frozenset]:
-    """The attribute names ``code`` (and the code nested in it) reads, and
-    those it sets: read off the bytecode as ``_merge._global_reads`` does."""
-    reads, sets, raw, ext = set(), set(), code.co_code, 0
-    for i in range(0, len(raw), 2):
-        op, arg = raw[i], raw[i + 1] | ext
-        ext = arg << 8 if op == _EXTENDED_ARG else 0
-        if op in _READS:
-            reads.add(code.co_names[arg >> _READS[op]])
-        elif op == _STORE_ATTR:
-            sets.add(code.co_names[arg])
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            more = _attributes(const)
-            reads |= more[0]
-            sets |= more[1]
-    return frozenset(reads), frozenset(sets)
-
-
-@functools.lru_cache(maxsize=None)
-def _upstream_fields(modules: frozenset) -> frozenset:
-    """The attributes upstream's classes in ``modules`` define or their
-    methods set: what a patch may read without another patch."""
-    out = set()
-    for module in modules:
-        for cls in vars(importlib.import_module(module)).values():
-            if not inspect.isclass(cls) or cls.__module__ != module:
-                continue
-            owner = f"{module}:{cls.__qualname__}"
-            for attr in set(vars(cls)) | {a for o, a in _saved if o == owner}:
-                obj = _saved.get((owner, attr), vars(cls).get(attr, _MISSING))
-                if obj is _MISSING:
-                    continue
-                out.add(attr)
-                for fn in functions(obj):
-                    if isinstance(fn, types.FunctionType):
-                        out |= _attributes(fn.__code__)[1]
-    return frozenset(out)
+def _upstream(owner: str, cls: type) -> Dict[str, Any]:
+    """``cls``'s attributes (its ``vars``) as upstream defines them."""
+    found = {**vars(cls), **{a: v for (o, a), v in _saved.items() if o == owner}}
+    return {a: v for a, v in found.items() if v is not _MISSING}
 
 
 def _attribute_needs(targets: List[Target]) -> set:
-    """The class attributes ``targets``' code reads that upstream lacks and
-    other patches add (``_fields``), on the class ``targets`` patch where one
-    adds it there. Instance state other patches read is declared as such a
-    field (``checkpoints = ()``), so its patch is known."""
-    own = {t.attr for t in targets if ":" in t.owner}
-    mine = {t.name for t in targets}
-    upstream = _upstream_fields(frozenset(_modules))
-    out = set()
-    for t in targets:
-        for fn in functions(t.new):
-            for attr in _attributes(fn.__code__)[0] - own - upstream:
-                found = _fields.get(attr, set()) - mine
-                here = {f for f in found if f.startswith(t.owner + ".")}
-                out |= here or found
-    return out
+    """The class attributes ``targets``' code reads that other patches add
+    (``_reads.attribute_needs``)."""
+    upstream = _reads.upstream_fields(frozenset(_modules), _upstream)
+    return _reads.attribute_needs(targets, _fields, upstream)
 
 
 def requirements(patch: Patch) -> List[str]:

@@ -415,7 +415,7 @@ def test_an_attribute_only_another_patch_adds_is_a_need(probe):
 
 
 def test_attributes_off_the_bytecode_are_what_dis_says():
-    """``_registry._attributes`` reads attribute loads and stores off
+    """``_reads.attributes`` reads attribute loads and stores off
     ``co_code``; for every patched function it must equal ``dis``'s answer."""
     import dis
     import types
@@ -441,7 +441,7 @@ def test_attributes_off_the_bytecode_are_what_dis_says():
         for fn in _merge.functions(t.new)
     ]
     for code in codes:
-        assert _registry._attributes(code) == reference(code), code.co_qualname
+        assert _reads.attributes(code) == reference(code), code.co_qualname
 
 
 def test_no_patch_reads_what_a_later_patch_adds():

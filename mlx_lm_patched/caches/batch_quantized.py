@@ -25,7 +25,7 @@ from .._registry import Patch, cache_class, targets
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, dynamic_roll
 
-    from .quantized_cache import _check_quantized, _kv_quant_layout
+    from .quantized_layout import _check_quantized, _kv_quant_layout
     from .quantized_ring import QuantizedRotatingKVCache, _quantize_update
     from .rotating_prealloc import _pipeline, _put
 

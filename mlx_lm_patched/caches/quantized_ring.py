@@ -28,7 +28,7 @@ from .._registry import Patch, cache_class, pasted_into, targets
 from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .quantized_cache import _check_quantized, _kv_quantize
+    from .quantized_layout import _check_quantized, _kv_quantize
     from .rotating_prealloc import _hold, _put
 
 

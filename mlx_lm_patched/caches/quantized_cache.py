@@ -21,11 +21,11 @@ Here the cache:
   ``save_prompt_cache``/``load_prompt_cache`` round trips are bit-exact and
   ``to_kv_cache()`` dequantizes to the original dtype; only zero-padded head
   dims, which upstream cannot attend over, add them as two more items;
-- picks a group size that divides the head dim (``quantized_layout``: 96 with 64 quantizes with
+- picks a group size that divides the head dim (96 with 64 quantizes with
   32), or zero-pads it (80; attention pads the queries to match, see
-  ``quantized_attention``); a file saved with the group size in use passes
-  ``generate``'s ``--kv-group-size`` check for the size that was asked for
-  (``quantizes_with``).
+  ``quantized_attention``; the layout: ``quantized_layout``); a file saved
+  with the group size in use passes ``generate``'s ``--kv-group-size`` check
+  for the size that was asked for (``quantizes_with``).
 
 On MLX's CUDA backend a decode step (up to 8 tokens) is not quantized at
 once: its tokens wait in a small buffer of the cache dtype, the tail, and

@@ -15,7 +15,13 @@ import pytest
 from mlx_lm.models.cache import ChunkedKVCache
 
 import mlx_lm_patched
-from mlx_lm_patched import PatchDriftError, PatchDriftWarning, _merge, _registry
+from mlx_lm_patched import (
+    PatchDriftError,
+    PatchDriftWarning,
+    _merge,
+    _reads,
+    _registry,
+)
 from mlx_lm_patched.caches import rotating_prealloc
 
 OWNER = "mlx_lm.models.cache:ChunkedKVCache"

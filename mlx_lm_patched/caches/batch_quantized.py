@@ -266,12 +266,8 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         keep: int = 0,
         group_size: int = 64,
         bits: int = 8,
-        checkpoint_every: int = 0,
-        max_checkpoints: int = 4,
     ):
-        BatchRotatingKVCache.__init__(
-            self, max_size, left_padding, keep, checkpoint_every, max_checkpoints
-        )
+        BatchRotatingKVCache.__init__(self, max_size, left_padding, keep)
         self.group_size = group_size
         self.bits = bits
         self.dtype = None
@@ -348,14 +344,9 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
 
     def extract(self, idx):
         row = BatchRotatingKVCache.extract(self, idx)
+        knobs = row.slack, row.checkpoint_every, row.max_checkpoints
         cache = QuantizedRotatingKVCache(
-            self.max_size,
-            self.keep,
-            self.group_size,
-            self.bits,
-            row.slack,
-            row.checkpoint_every,
-            row.max_checkpoints,
+            self.max_size, self.keep, self.group_size, self.bits, *knobs
         )
         cache.offset, cache._lo, cache._hi = row.offset, row._lo, row._hi
         cache.checkpoints = row.checkpoints
@@ -411,14 +402,10 @@ class _BatchRotatingKVCache:
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         B = self.offset.shape[0]
         cache = BatchQuantizedRotatingKVCache(
-            self.max_size,
-            [0] * B,
-            self.keep,
-            group_size,
-            bits,
-            self.checkpoint_every,
-            self.max_checkpoints,
+            self.max_size, [0] * B, self.keep, group_size, bits
         )
+        cache.checkpoint_every = self.checkpoint_every
+        cache.max_checkpoints = self.max_checkpoints
         # New arrays: ``-=`` on a shared one would move both caches.
         cache.left_padding = mx.array(self.left_padding)
         cache.offset = mx.array(self.offset)

@@ -208,14 +208,10 @@ class BatchRotatingKVCache:
         # Each row keeps its sinks and its newest ``R`` tokens as columns.
         columns = [min(c.offset, max_size - keep) for c in caches]
         n = max(columns)
-        cache = cls(
-            max_size,
-            [0] * len(caches),
-            keep,
-            checkpoint_every=max(c.checkpoint_every for c in caches),
-            max_checkpoints=max(c.max_checkpoints for c in caches),
-        )
+        cache = cls(max_size, [0] * len(caches), keep)
         cache._reset_undo(max(c.slack for c in caches))
+        cache.checkpoint_every = max(c.checkpoint_every for c in caches)
+        cache.max_checkpoints = max(c.max_checkpoints for c in caches)
         if n == 0:
             return cache
         _, H, _, Dk = full[0].keys.shape

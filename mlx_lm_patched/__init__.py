@@ -154,7 +154,7 @@ def status() -> Dict[str, dict]:
     return {
         p.name: {
             "applied": _registry.is_applied(p.name),
-            "folder": FOLDERS.get(p.name),  # a test's patch has none
+            "folder": FOLDERS.get(p.name, ""),
             "summary": p.summary,
             "requires": _registry.requirements(p),
             "written_for": UPSTREAM_VERSION,

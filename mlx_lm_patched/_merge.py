@@ -23,7 +23,7 @@ import sys
 import textwrap
 import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import merge3
 
@@ -146,6 +146,45 @@ def merge(base: str, ours: str, theirs: str, where: str) -> str:
     return "".join(out)
 
 
+def parse_diff(diff: str) -> List[Tuple[List[str], List[str]]]:
+    """The hunks of a unified diff of one function, ``(before, after)``: the
+    lines each ``@@`` hunk finds and what it puts there (the numbers in the
+    ``@@`` line are not read; a blank line is a blank line of context)."""
+    hunks: List[Tuple[List[str], List[str]]] = []
+    for line in diff.lstrip("\n").splitlines(True):
+        if line.startswith("@@"):
+            hunks.append(([], []))
+            continue
+        if not line.strip():
+            line = " \n"
+        if not hunks or line[0] not in " -+":
+            raise ValueError(f"not a line of a diff hunk: {line!r}")
+        before, after = hunks[-1]
+        if line[0] in " -":
+            before.append(line[1:])
+        if line[0] in " +":
+            after.append(line[1:])
+    if not hunks or not all(before for before, _ in hunks):
+        raise ValueError("a diff hunk must find some lines")
+    return hunks
+
+
+def apply_hunks(source: str, hunks, where: str) -> str:
+    """``source`` with each hunk's lines replaced by its new ones; a hunk must
+    find its lines exactly, once, anywhere (an offset is fine), else
+    ``MergeConflict``."""
+    lines = source.splitlines(True)
+    for i, (before, after) in enumerate(hunks, 1):
+        n = len(before)
+        at = [k for k in range(len(lines) - n + 1) if lines[k : k + n] == before]
+        if len(at) != 1:
+            first = next((b.strip() for b in before if b.strip()), "")
+            found = f"found {len(at)} times" if at else "no longer found"
+            raise MergeConflict(f"{where}: hunk {i} (at {first[:60]!r}) {found}")
+        lines[at[0] : at[0] + n] = after
+    return "".join(lines)
+
+
 def compile_merged(
     source: str, namespace: dict, cls: Optional[type], name: str, where: str
 ) -> Any:
@@ -158,15 +197,13 @@ def compile_merged(
         source = f"class {cls.__name__}:\n" + "".join(
             "    " + line if line.strip() else line for line in source.splitlines(True)
         )
-    filename = f"<mlx_lm_patched: {where}, merged>"
+    filename = f"<mlx_lm_patched: {where}, {fingerprint_source(source)}>"
     lines = source.splitlines(True)
     linecache.cache[filename] = (len(source), None, lines, filename)
     local: Dict[str, Any] = {}
     exec(compile(source, filename, "exec"), namespace, local)
-    if not wrap:
-        return local[name]
-    obj = vars(local[cls.__name__])[name]
-    for fn in functions(obj):
+    obj = vars(local[cls.__name__])[name] if wrap else local[name]
+    for fn in functions(obj) if cls is not None else ():
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             if var == "__class__":
                 cell.cell_contents = cls

@@ -10,11 +10,17 @@ set aside with a ``PatchDriftWarning`` (``PatchDriftError`` with
 ``strict=True``), and so are the patches that need an object it provides.
 A patch's new module-level helpers stay installed for the patches that use
 them.
+
+A target may also be an ``Edit``: a diff of the function as the patches
+before it leave it (upstream's, else theirs), applied when it is installed.
+Patches stack as quilt's do: patch N edits the result of 1..N-1, and
+reverting (or setting aside) one takes the edits stacked on it with it.
 """
 
 import builtins
 import importlib
 import inspect
+import re
 import sys
 import types
 import warnings
@@ -47,6 +53,23 @@ class PatchDriftError(RuntimeError):
 _MISSING = object()
 REMOVED = object()  # ``Target.new`` for an upstream attribute a patch deletes
 FROM_BASES = object()  # ``Target.fingerprint``: the one ``bases.json`` records
+
+
+@dataclass(frozen=True)
+class Edit:
+    """``Target.new`` for a change written as what it is: a unified diff of
+    the function's dedented source as the patches before leave it, hunks
+    with a few lines of context (``_merge.parse_diff``)."""
+
+    diff: str
+
+    def hunks(self) -> List[Tuple[List[str], List[str]]]:
+        return _merge.parse_diff(self.diff)
+
+    def reads(self) -> set:
+        """The names its added lines use (a superset of the globals)."""
+        added = "".join(a for _, after in self.hunks() for a in after)
+        return set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", added))
 
 
 @dataclass(frozen=True)
@@ -91,12 +114,22 @@ class Target:
         """``mlx_lm.models.cache:RotatingKVCache.trim`` (``_merge.base_key``)."""
         return _merge.base_key(self.owner, self.attr)
 
+    def below(self) -> Any:
+        """What an ``Edit`` applies to: the object the patches before it
+        installed (a layer under it, where it is installed), else upstream's."""
+        layers = [obj for t, obj in _stack.get(self.key, ())]
+        mine = [i for i, (t, _) in enumerate(_stack.get(self.key, ())) if t is self]
+        layers = layers[: mine[0]] if mine else layers
+        return layers[-1] if layers else self.upstream()
+
     def resolve(self) -> Tuple[Any, str]:
         """``(object to install, how)``: ``new`` as written where upstream has
         the source it was written for, else ours merged onto upstream's
         (``"merged"``). Raises ``MergeConflict`` saying why it cannot."""
         try:
             current = self.upstream()
+            if isinstance(self.new, Edit):
+                return self._edited(self.below(), current)
         except (ImportError, AttributeError) as e:
             raise MergeConflict(f"{self.owner} is missing ({e})") from None
         where = self.name.replace(":", ".")
@@ -121,13 +154,33 @@ class Target:
             raise MergeConflict(f"{changed}; bases.json is out of date")
         merged = _merge.merge(base, ours, source_of(current), where)
         fn = _merge.functions(self.new)[0]
+        return self._compiled(merged, fn.__globals__, fn.__name__), "merged"
+
+    def _compiled(self, source: str, namespace: dict, name: str) -> Any:
+        """``source`` compiled in ``namespace`` as the owner's ``name``;
+        ``MergeConflict`` where it reads a name upstream no longer binds."""
         owner = self.resolve_owner()
         cls = owner if inspect.isclass(owner) else None
-        new = _merge.compile_merged(merged, fn.__globals__, cls, fn.__name__, where)
-        gone = _unbound(new, fn.__globals__)
+        where = self.name.replace(":", ".")
+        new = _merge.compile_merged(source, namespace, cls, name, where)
+        gone = _unbound(new, namespace)
         if gone:
             raise MergeConflict(f"{where} uses {gone}, which upstream no longer has")
-        return new, "merged"
+        return new
+
+    def _edited(self, below: Any, upstream: Any) -> Tuple[Any, str]:
+        """The ``Edit`` applied to ``below``'s source, compiled in the owner's
+        module: ``"as written"`` where upstream is the release it was written
+        for, else ``"merged"``; ``MergeConflict`` where a hunk does not
+        apply."""
+        where = self.name.replace(":", ".")
+        if below is _MISSING:
+            raise MergeConflict(f"{where} is missing upstream")
+        source = _merge.apply_hunks(source_of(below), self.new.hunks(), where)
+        module = vars(importlib.import_module(self.owner.partition(":")[0]))
+        new = self._compiled(source, module, self.attr)
+        same = upstream is _MISSING or fingerprint(upstream) == self.fingerprint
+        return new, "as written" if same else "merged"
 
     def drift(self) -> Optional[str]:
         """How this target meets upstream, where not as written: merged onto
@@ -281,6 +334,13 @@ def targets(owner: str, *objects: Any, removes: Sequence[str] = (), **named: Any
     return out + [Target(owner, n, REMOVED) for n in removes]
 
 
+def edits(owner: str, **diffs: str) -> List[Target]:
+    """Targets changing functions of ``owner`` (a module or a class, as for
+    ``targets``) by diffs of their source (``Edit``), each under its name:
+    ``edits("mlx_lm.server:ResponseGenerator", _generate=GENERATE)``."""
+    return [Target(owner, attr, Edit(diff)) for attr, diff in diffs.items()]
+
+
 # module -> the names patches add to it (upstream has none)
 _adds: Dict[str, set] = {}
 _modules: set = set()  # the upstream modules patches change
@@ -290,6 +350,9 @@ _fields: Dict[str, set] = {}
 _saved: Dict[Tuple[str, str], Any] = {}
 # (owner, attr) -> the object installed there (ours, or ours merged)
 _installed: Dict[Tuple[str, str], Any] = {}
+# (owner, attr) -> the targets installed there and their objects, bottom first
+# (a replacement or an edit of upstream's, then the edits stacked on it)
+_stack: Dict[Tuple[str, str], List[Tuple[Target, Any]]] = {}
 # Per patch with anything installed, in apply order: its installed targets.
 _patches: Dict[str, List[Target]] = {}
 _applied: Dict[str, Patch] = {}  # the patches installed whole
@@ -308,6 +371,8 @@ def _importers(owner, attr: str, obj) -> List[Any]:
 
 
 def _set(target: Target, new: Any):
+    if any(t is target for t, _ in _stack.get(target.key, ())):
+        return
     owner = target.resolve_owner()
     original = (
         owner.__dict__.get(target.attr, _MISSING)
@@ -317,9 +382,10 @@ def _set(target: Target, new: Any):
     if inspect.ismodule(owner) and original is not _MISSING:
         for mod in _importers(owner, target.attr, original):
             setattr(mod, target.attr, new)
-    # The first original is kept: two patches never share a target.
+    # The first original is kept: later patches only stack edits on it.
     _saved.setdefault(target.key, original)
     _installed[target.key] = new
+    _stack.setdefault(target.key, []).append((target, new))
     if new is REMOVED:
         delattr(owner, target.attr)
     else:
@@ -327,8 +393,13 @@ def _set(target: Target, new: Any):
 
 
 def _unset(target: Target):
-    original = _saved.pop(target.key)
-    new = _installed.pop(target.key)
+    layers = _stack[target.key]
+    new = layers.pop()[1]  # reverted last applied first: the top one
+    if layers:  # the layer under it comes back
+        original = _installed[target.key] = layers[-1][1]
+    else:
+        del _stack[target.key], _installed[target.key]
+        original = _saved.pop(target.key)
     owner = target.resolve_owner()
     if inspect.ismodule(owner) and original is not _MISSING:
         # Modules imported while patched bound the replacement too.
@@ -358,12 +429,16 @@ def installed_version() -> str:
 
 
 def check_disjoint(patches: List[Patch]):
-    """Raise if two patches replace the same attribute."""
+    """Raise if two patches replace the same attribute, or one targets an
+    attribute twice: a later patch may only stack an ``Edit`` on it."""
     owners: Dict[Tuple[str, str], str] = {}
     for patch in patches:
+        keys = [t.key for t in patch.targets]
         for t in patch.targets:
             other = owners.setdefault(t.key, patch.name)
-            if other != patch.name:
+            if keys.count(t.key) > 1 or (
+                other != patch.name and not isinstance(t.new, Edit)
+            ):
                 raise ValueError(
                     f"patches {other!r} and {patch.name!r} both replace "
                     f"{t.owner}.{t.attr}"
@@ -391,7 +466,12 @@ def check_needs(patches: List[Patch]):
 def _is_helper(t: Target) -> bool:
     """A new module-level object that is not a class: inert until called, it
     stays installed for the patches that use it when its own patch cannot."""
-    return ":" not in t.owner and t.fingerprint is None and not inspect.isclass(t.new)
+    return (
+        ":" not in t.owner
+        and t.fingerprint is None
+        and not inspect.isclass(t.new)
+        and not isinstance(t.new, Edit)
+    )
 
 
 def _needs(targets: List[Target]) -> List[str]:
@@ -400,6 +480,13 @@ def _needs(targets: List[Target]) -> List[str]:
     own = {t.key for t in targets}
     out = set()
     for t in targets:
+        if isinstance(t.new, Edit):
+            module = t.owner.partition(":")[0]
+            out.update(
+                _merge.base_key(module, n)
+                for n in _adds.get(module, set()) & t.new.reads()
+                if (module, n) not in own
+            )
         for fn in functions(t.new):
             module = fn.__globals__.get("__name__")
             added = _adds.get(module, set()) & _names(fn.__code__)
@@ -447,7 +534,16 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
     check_disjoint(
         list(_applied.values()) + [p for p in patches if p.name not in _applied]
     )
+    below: Dict[Tuple[str, str], List[str]] = {}  # the patches targeting a key
     for patch in patches:
+        stacks_on = {
+            name: t
+            for t in patch.targets
+            for name in below.get(t.key, ())
+            if isinstance(t.new, Edit)
+        }
+        for t in patch.targets:
+            below.setdefault(t.key, []).append(patch.name)
         if patch.name in _applied:
             continue
         resolved, problems, helper_problems = {}, [], []
@@ -463,6 +559,11 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
             f"needs {r}, which is not applied"
             for r in requirements(patch)
             if r not in own and not _is_installed(r)
+        ]
+        problems += [
+            f"edits {t.name} as patch {name!r} leaves it, which is not applied"
+            for name, t in stacks_on.items()
+            if name not in _applied
         ]
         # Alone, the helpers must find what they read installed already.
         helper_problems += [r for r in _needs(helpers) if not _is_installed(r)]
@@ -483,8 +584,7 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
             warnings.warn(msg, PatchDriftWarning, stacklevel=3)
             continue
         for t in patch.targets:
-            if t.key not in _installed:
-                _set(t, resolved[t.key][0])
+            _set(t, resolved[t.key][0])
         _patches[patch.name] = list(patch.targets)
         _applied[patch.name] = patch
         _merged[patch.name] = [
@@ -495,7 +595,7 @@ def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
 
 def dependents(names) -> List[str]:
     """The installed patches that need any of ``names`` or of the objects
-    they provide, directly or not."""
+    they provide, directly or not, or that stack an edit on one of those."""
     gone = set(names)
     for name in names:
         gone.update(t.name for t in _patches.get(name, ()))
@@ -503,11 +603,26 @@ def dependents(names) -> List[str]:
     for name, targets in _patches.items():  # in apply order
         patch = _applied.get(name)
         needs = set(requirements(patch) if patch else _needs(targets))
-        if name not in gone and needs & gone:
+        if name not in gone and (needs & gone or _stacked_on(targets, gone)):
             found.append(name)
             gone.add(name)
             gone.update(t.name for t in targets)
     return found
+
+
+def _stacked_on(targets: List[Target], gone: set) -> bool:
+    """Whether an edit among ``targets`` is installed on a layer of a patch
+    in ``gone``."""
+    for t in targets:
+        layers = [s for s, _ in _stack.get(t.key, ())]
+        mine = next((i for i, s in enumerate(layers) if s is t), 0)
+        if any(p in gone for s in layers[:mine] for p in _owner_of(s)):
+            return True
+    return False
+
+
+def _owner_of(target: Target) -> List[str]:
+    return [n for n, ts in _patches.items() if any(t is target for t in ts)]
 
 
 def revert_patches(patches: List[Patch]) -> List[str]:

@@ -287,3 +287,33 @@ def test_a_ring_past_its_window_generates_upstream_s_tokens(backend, name):
     ours = run()
     mlx_lm_patched.revert("quantized_attention", "bounded_attention")
     assert ours == run()
+
+
+def test_buckets_are_two_a_doubling_and_cover_their_sizes():
+    """cuDNN builds a graph per shape: a size is rounded up to one of two
+    buckets per doubling, less than 1.5x it, a bucket its own bucket."""
+    sizes = range(1, 5000)
+    for n in sizes:
+        b = base.bucket(n)
+        assert n <= b == base.bucket(b) and (b == 64 or b < 1.5 * n)
+    buckets = {base.bucket(n) for n in sizes}
+    for k in range(7, 13):
+        assert len([b for b in buckets if 1 << (k - 1) < b <= 1 << k]) == 2
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("N, L", [(70, 300), (520, 6039), (33, 1025)])
+def test_cuda_calls_run_padded_to_their_bucket_with_the_same_output(
+    backend, fused_calls, dtype, N, L
+):
+    """The fused call sees the bucket's shape; the padding (masked keys,
+    rows seeing one key) changes no output bit."""
+    backend("cuda")
+    q, k, v, mask = inputs(B=2, H=4, N=N, L=L, D=32, dtype=dtype, padding=[0, 9])
+    got = scaled_dot_product_attention(q, k, v, None, 0.2, mask)
+    (m,) = fused_calls
+    assert m.shape[-2:] == (base.bucket(N), base.bucket(L))
+    plain = mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=0.2, mask=base.additive_mask(mask, dtype)
+    )
+    assert got.shape == plain.shape and same(got, plain)

@@ -15,7 +15,7 @@ import pytest
 import mlx_lm_patched
 from mlx_lm_patched import _merge, _registry
 from mlx_lm_patched.demo import tiny
-from tools.simulate import simulated_release
+from tools.simulate import changed_sources, simulated_release
 
 MARK_TEXT = "_simulated.add('mlx_lm.generate:stream_generate')"
 
@@ -61,12 +61,15 @@ def test_the_simulated_release_edits_every_function_our_change_leaves_room_in(
     next_release,
 ):
     edits = next_release.edits
-    assert set(edits) == {
+    # Every upstream object a patch replaces (with a delta) or edits.
+    assert set(edits) == set(changed_sources(mlx_lm_patched.PATCHES))
+    assert {
         t.name
         for p in mlx_lm_patched.PATCHES
         for t in p.targets
         if (_merge.bases().get(t.name) or {}).get("delta") is not None
-    }
+        or isinstance(t.new, _registry.Edit)
+    } == set(edits)
     added = [k for k, e in edits.items() if e.statement]
     assert len(added) >= 25
     # Where nothing was added, our change rewrites every line (or the

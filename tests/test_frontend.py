@@ -30,7 +30,7 @@ def upstream(t):
         return True
     if t.new is _registry.REMOVED:
         return t.attr in vars(owner)
-    return getattr(owner, t.attr, None) is not t.new
+    return getattr(owner, t.attr, None) is not _registry._installed.get(t.key, t.new)
 
 print(json.dumps({
     p.name: [_registry.is_applied(p.name), all(upstream(t) for t in p.targets)]

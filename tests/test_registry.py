@@ -132,6 +132,8 @@ def check_round_trip(patches, apply, revert):
             owner = t.resolve_owner()
             if t.new is _registry.REMOVED:
                 assert t.attr not in vars(owner)
+            elif isinstance(t.new, _registry.Edit):  # the top one of its stack
+                assert raw(owner, t.attr) is _registry._installed[t.key]
             else:
                 assert raw(owner, t.attr) is t.new
             found = original[t.key][0]
@@ -481,3 +483,116 @@ def test_global_reads_off_the_bytecode_are_what_dis_says():
     assert len(codes) > 150
     for code in codes:
         assert _merge._global_reads(code) == reference(code), code.co_qualname
+
+
+# -- edits: a diff of a function, stacked as quilt stacks patches ---------------
+
+FIRST = """\
+@@ -1,2 +1,3 @@
+ def maybe_trim_front(self):
++    self.edited = ["first"]
+     # Maintain the cache below the chunk size.
+"""
+# Written on top of FIRST: its context is FIRST's line.
+SECOND = """\
+@@ -2,2 +2,3 @@
+     self.edited = ["first"]
++    self.edited.append("second")
+     # Maintain the cache below the chunk size.
+"""
+
+
+@pytest.fixture
+def stacked(probe):
+    """Two test-only patches editing one upstream method, the second on the
+    first's result; ChunkedKVCache is unchanged after."""
+    original = ChunkedKVCache.__dict__["maybe_trim_front"]
+    fp = _registry.fingerprint(original)
+    first, second = (
+        _registry.Patch(
+            name,
+            "test only",
+            [_registry.Target(OWNER, "maybe_trim_front", _registry.Edit(diff), fp)],
+        )
+        for name, diff in (("test_first", FIRST), ("test_second", SECOND))
+    )
+    yield first, second
+    _registry.revert_patches([first, second])
+    assert ChunkedKVCache.__dict__["maybe_trim_front"] is original
+
+
+def trimmed_front():
+    c = ChunkedKVCache(chunk_size=4)
+    c.maybe_trim_front()
+    return getattr(c, "edited", None)
+
+
+def test_an_edit_changes_upstream_s_source_and_shows_it_in_tracebacks(stacked):
+    first, _ = stacked
+    _registry.apply_patches([first], strict=True)
+    assert trimmed_front() == ["first"]
+    method = ChunkedKVCache.__dict__["maybe_trim_front"]
+    assert method.__qualname__ == "ChunkedKVCache.maybe_trim_front"
+    assert '    self.edited = ["first"]\n' in _registry.source_of(method)
+    assert first.targets[0].drift() is None
+    _registry.revert_patches([first])
+    assert trimmed_front() is None
+
+
+def test_stacked_edits_apply_in_order_and_popping_one_pops_those_on_it(stacked):
+    first, second = stacked
+    assert _registry.apply_patches([first, second], strict=True)[-2:] == [
+        "test_first",
+        "test_second",
+    ]
+    assert trimmed_front() == ["first", "second"]
+    assert second.targets[0].drift() is None and first.targets[0].drift() is None
+    assert _registry.revert_patches([second]) == ["test_second"]
+    assert trimmed_front() == ["first"]
+    _registry.apply_patches([second], strict=True)
+    assert _registry.dependents(["test_first"]) == ["test_second"]
+    assert set(_registry.revert_patches([first])) == {"test_first", "test_second"}
+    assert trimmed_front() is None
+
+
+def test_an_edit_whose_lines_upstream_changed_is_set_aside_with_what_stacks_on_it(
+    stacked, monkeypatch
+):
+    first, second = stacked
+
+    def maybe_trim_front(self):
+        # Keep the cache below the chunk size (a new release's wording).
+        return None
+
+    monkeypatch.setattr(ChunkedKVCache, "maybe_trim_front", maybe_trim_front)
+    with pytest.warns(PatchDriftWarning) as caught:
+        _registry.apply_patches([first, second])
+    text = "\n".join(str(w.message) for w in caught)
+    assert (
+        "ChunkedKVCache.maybe_trim_front: hunk 1" in text and "no longer found" in text
+    )
+    assert "as patch 'test_first' leaves it, which is not applied" in text
+    assert not _registry.is_applied("test_first")
+    assert not _registry.is_applied("test_second")
+    assert ChunkedKVCache.__dict__["maybe_trim_front"] is maybe_trim_front
+
+
+def test_an_edit_merges_onto_other_source_where_its_lines_are_unchanged(
+    stacked, monkeypatch
+):
+    first, second = stacked
+    src = _registry.source_of(ChunkedKVCache.__dict__["maybe_trim_front"])
+    src = src.replace("        return\n", "        return 'new release'\n")
+    new = _merge.compile_merged(src, {}, None, "maybe_trim_front", "next release")
+    monkeypatch.setattr(ChunkedKVCache, "maybe_trim_front", new)
+    _registry.apply_patches([first, second], strict=True)
+    assert trimmed_front() == ["first", "second"]
+    assert ChunkedKVCache(chunk_size=4).maybe_trim_front() == "new release"
+    assert first.targets[0].drift().endswith("merged")
+    _registry.revert_patches([first, second])  # before monkeypatch puts it back
+
+
+def test_a_replacement_on_an_edited_attribute_is_refused(stacked, probe):
+    first, _ = stacked
+    with pytest.raises(ValueError, match="test_first.*test_probe.*maybe_trim_front"):
+        _registry.check_disjoint([first, probe])

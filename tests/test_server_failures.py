@@ -1,6 +1,6 @@
 """A request that fails in a batch step fails alone: the generation thread
-and the other requests of its batch go on (server_kv_bits' ``_generate``,
-server_failures).
+and the other requests of its batch go on (server_failures' edit of
+``_generate``).
 
 The HTTP handler refuses what it can check (tests/acceptance/
 test_server_requests.py); these requests bypass it, as one for a model still

@@ -530,3 +530,41 @@ def test_a_class_patch_s_attribute_is_written_as_its_expression(tmp_path):
     patch.write_text("class _Cache:\n    tail = 64 if on() else 0\n")
     lines = rewrite._assignment_lines("tail", "mlx_lm.models.cache.Cache", str(patch))
     assert lines == ["    tail = 64 if on() else 0\n"]
+
+
+# -- edits, stacked -----------------------------------------------------------------
+
+_FIRST = """\
+@@
+ def maybe_trim_front(self):
++    self.edited = ["first"]
+     # Maintain the cache below the chunk size.
+"""
+_SECOND = """\
+@@
+     self.edited = ["first"]
++    self.edited.append("second")
+     # Maintain the cache below the chunk size.
+"""
+
+
+def test_stacked_edits_are_written_into_the_source_each_as_its_own_diff(
+    sdist, tmp_path
+):
+    owner = f"{CACHE}:ChunkedKVCache"
+    fp = _registry.fingerprint(_registry.get_original(owner, "maybe_trim_front"))
+    patches = [
+        Patch(name, "x", [Target(owner, "maybe_trim_front", _registry.Edit(d), fp)])
+        for name, d in (("first", _FIRST), ("second", _SECOND))
+    ]
+    patch_dir = tmp_path / "patches"
+    series = generate(patches, sdist, patch_dir)
+    write_patches(series, patch_dir)
+    assert check_patches(patch_dir, patches) == []
+    second = (patch_dir / "02-second.patch").read_text()
+    added = [ln for ln in second.splitlines() if ln.startswith("+") and "+++" not in ln]
+    assert added == ['+        self.edited.append("second")']
+    text = series.final["mlx_lm/models/cache.py"]
+    assert '        self.edited = ["first"]\n        self.edited.append' in text
+    with pytest.raises(GenerateError, match="hunk 1 .* no longer found"):
+        generate(patches[1:], sdist, tmp_path / "alone")  # not on the first

@@ -10,6 +10,8 @@
   monkeypatched (``mlx_lm_patched`` imported), the patched tests in both.
 - ``check-release [VERSION]``: per patch, clean, merged or set aside on
   that release (``release``).
+- ``edit OBJECT``: the diff, as an ``Edit`` takes it, between upstream's
+  source of OBJECT (``mlx_lm.server:main``) and what the patches install.
 """
 
 import argparse
@@ -25,12 +27,14 @@ from mlx_lm_patched._registry import UPSTREAM_VERSION
 from . import DIST_DIR, ROOT, all_patches
 from .bases import write_bases
 from .check import check_patches
+from .edits import installed_diff
 from .release import check_release
 from .rewrite import GenerateError
 from .sdist import UpstreamUnavailable, sdist_tree
 from .series import compare_patches, generate, is_source, read_series, write_patches
 from .suite import TEST_FILES, against_unpatched, default_files, tree_with
 from .vendor import build_wheel
+from .verbatim import carried, report
 
 
 def cmd_patches(args) -> int:
@@ -54,6 +58,7 @@ def cmd_check_patches(args) -> int:
         if any(re.match(r"\S+: (missing|differs|not in PATCHES)", p) for p in problems):
             print("Run `make patches` and commit patches/.", file=sys.stderr)
         return 1
+    print(report(carried(all_patches())))
     n = len(read_series())
     suite = "" if args.no_suite else "; upstream's suite passes on the patched source"
     print(
@@ -105,6 +110,11 @@ def cmd_test(args) -> int:
     return 1 if worse else 0
 
 
+def cmd_edit(args) -> int:
+    print(installed_diff(args.object), end="")
+    return 0
+
+
 def cmd_check_release(args) -> int:
     ok, report = check_release(all_patches(), args.version)
     print(report)
@@ -132,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("-k", help="pytest -k expression")
     p = sub.add_parser("check-release", help="do the patches fit an mlx-lm release")
     p.add_argument("version", nargs="?", default="latest", help="default: latest")
+    p = sub.add_parser("edit", help="an upstream object's change, as an Edit's diff")
+    p.add_argument("object", help="e.g. mlx_lm.server:ResponseGenerator._generate")
     args = parser.parse_args(argv)
     handler = {
         "patches": cmd_patches,
@@ -139,6 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "vendor": cmd_vendor,
         "test": cmd_test,
         "check-release": cmd_check_release,
+        "edit": cmd_edit,
     }[args.command]
     try:
         return handler(args)

@@ -1,13 +1,14 @@
 """``mlx_lm_patched/bases.json``: for every upstream object a patch replaces
 or removes, the fingerprint of its source in the pinned release and the
 lines where that source differs from ours, so the runtime can rebuild the
-base and merge our change onto another release (``mlx_lm_patched._merge``)."""
+base and merge our change onto another release (``mlx_lm_patched._merge``).
+An object changed by edits only has no delta: its edits are the change."""
 
 import json
 from typing import Dict, Sequence
 
 from mlx_lm_patched import _merge, _registry
-from mlx_lm_patched._registry import REMOVED, UPSTREAM_VERSION, Patch
+from mlx_lm_patched._registry import REMOVED, UPSTREAM_VERSION, Edit, Patch
 
 
 def bases_of(patches: Sequence[Patch]) -> Dict[str, dict]:
@@ -23,11 +24,11 @@ def bases_of(patches: Sequence[Patch]) -> Dict[str, dict]:
     for patch in patches:
         for t in patch.targets:
             original = t.upstream()
-            if original is _registry._MISSING:
+            if original is _registry._MISSING or t.name in out:  # edits stacked
                 continue
             base = _registry.source_of(original)
             entry = {"fingerprint": _registry.fingerprint_source(base), "delta": None}
-            if t.new is not REMOVED:
+            if t.new is not REMOVED and not isinstance(t.new, Edit):
                 ours = _registry.source_of(t.new).splitlines(True)
                 entry["delta"] = _merge.delta(ours, base.splitlines(True))
             out[t.name] = entry

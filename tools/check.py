@@ -22,6 +22,7 @@ from .bases import render as render_bases
 from .release import check_targets
 from .rewrite import (
     imported_from,
+    is_edit,
     is_removal,
     patch_module,
     replacement_lines,
@@ -56,8 +57,8 @@ def check_uses(patches: Sequence[Patch], tree: Path) -> List[str]:
             module, cls = split_owner(t.owner)
             if cls is None and not is_removal(t):
                 added[module].add(t.attr)
-            if is_removal(t) or isinstance(t.new, types.ModuleType):
-                continue
+            if is_removal(t) or is_edit(t) or isinstance(t.new, types.ModuleType):
+                continue  # an edit's names: the series' undefined names
             if imported_from(t):  # its code is checked where it is pasted
                 continue
             reads[module] |= free_names(

@@ -3,7 +3,8 @@ rewritten in the text of the file its owner lives in.
 
 A replaced attribute's definition (decorators, property getter and setter
 included) gives way to the replacement's source; a new method goes next to
-its neighbours in the patch's namespace class; a new module-level object
+its neighbours in the patch's namespace class; an edited one gets its
+diff's hunks, applied to the file's text as at run time; a new module-level object
 goes before the first definition that uses it (a module target is an
 ``import`` among the first block of imports; a function pasted into another
 upstream module is a name added to the file's ``from`` import of it; any
@@ -15,6 +16,7 @@ import inspect
 import io
 import re
 import sys
+import textwrap
 import tokenize
 import types
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 from mlx_lm_patched import _merge
 from mlx_lm_patched._registry import (
     REMOVED,
+    Edit,
     Patch,
     Target,
     fingerprint_source,
@@ -203,6 +206,23 @@ def is_removal(t: Target) -> bool:
     return t.new is REMOVED
 
 
+def is_edit(t: Target) -> bool:
+    return isinstance(t.new, Edit)
+
+
+def _edit(lines: List[str], defs, t: Target) -> None:
+    """``t``'s diff applied to its definition in ``lines``, as ``_registry``
+    applies it to the function's dedented source."""
+    start, end = min(d.start for d in defs), max(d.end for d in defs)
+    source = textwrap.dedent("".join(lines[start:end]))
+    indent = lines[start][: len(lines[start]) - len(lines_of(source)[0])]
+    try:
+        edited = _merge.apply_hunks(source, t.new.hunks(), t.name)
+    except _merge.MergeConflict as e:
+        raise GenerateError(f"conflict in {e}") from None
+    lines[start:end] = lines_of(textwrap.indent(edited, indent))
+
+
 def _remove(lines: List[str], defs, cls: Optional[str]) -> None:
     gap = 1 if cls else 2  # blank lines between definitions
     for d in sorted(defs, key=lambda d: -d.start):
@@ -220,7 +240,7 @@ def _merged_source(text: str, t: Target, cls: Optional[str]) -> Optional[str]:
     the patch was written for: ours merged onto it (``_merge``), or a
     ``GenerateError`` naming the conflict. ``None`` where it is the same."""
     theirs = source_from_text(text, cls, t.attr)[0]
-    if t.fingerprint is None or theirs is None:
+    if t.fingerprint is None or theirs is None or is_edit(t):
         return None
     if fingerprint_source(theirs) == t.fingerprint:
         return None
@@ -247,6 +267,11 @@ def _rewrite_target(text: str, t: Target, siblings: List[Target], origin=None) -
             )
         _merged_source(text, t, cls)
         _remove(lines, defs, cls)
+        return "".join(lines)
+    if is_edit(t):
+        if not defs:
+            raise GenerateError(f"{t.name}: to be edited, but not defined there")
+        _edit(lines, defs, t)
         return "".join(lines)
     indent = body_indent(text, cls) if cls else ""
     merged = _merged_source(text, t, cls) if defs else None

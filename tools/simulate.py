@@ -13,7 +13,7 @@ import shutil
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import mlx_lm
 
@@ -43,14 +43,33 @@ class Release:
     reordered: List[str] = field(default_factory=list)  # files, imports swapped
 
 
-def _touched(base: List[str], ours: List[str]) -> Set[int]:
-    """The base lines our change rewrites or deletes, and those an insertion
-    of ours follows (0-based)."""
+def changed_sources(patches: List[_registry.Patch]) -> Dict[str, Tuple[str, int]]:
+    """Per upstream object our change rewrites (``Target.name``): its source
+    with every patch on it (a replacement, then the edits stacked on it),
+    and how many lines either side of a change must stay as they are (the
+    context of its edits' hunks; 1 for a three-way merge)."""
+    out: Dict[str, Tuple[str, int]] = {}
+    for t in (t for p in patches for t in p.targets):
+        if isinstance(t.new, _registry.Edit):
+            if t.name not in out and t.upstream() is _registry._MISSING:
+                continue  # an object an earlier patch adds
+            src, margin = out.get(t.name) or (_registry.source_of(t.upstream()), 1)
+            src = _merge.apply_hunks(src, t.new.hunks(), t.name)
+            runs = re.findall(r"(?m)(?:^(?: .*)?\n)+", t.new.diff)
+            out[t.name] = src, max([margin] + [r.count("\n") for r in runs])
+        elif (_merge.bases().get(t.name) or {}).get("delta") is not None:
+            out[t.name] = _registry.source_of(t.new), 1
+    return out
+
+
+def _touched(base: List[str], ours: List[str], margin: int = 1) -> Set[int]:
+    """The base lines our change rewrites or deletes, and the ``margin``
+    lines either side of them (0-based)."""
     out: Set[int] = set()
     sm = difflib.SequenceMatcher(None, base, ours, autojunk=False)
     for op, i1, i2, _, _ in sm.get_opcodes():
         if op != "equal":
-            out.update(range(max(i1 - 1, 0), i2 + 1))
+            out.update(range(max(i1 - margin, 0), i2 + margin))
     return out
 
 
@@ -78,10 +97,12 @@ def _rename(fn: ast.FunctionDef, touched: Set[int], ours: Set[str]) -> Optional[
     return None
 
 
-def _edit(lines: List[str], start: int, base: str, ours: str, key: str, conflict: bool):
+def _edit(lines: List[str], start: int, base: str, changed, key: str, conflict: bool):
     """Edit ``lines`` (the module) for the definition at ``start`` whose
-    base source is ``base``; return its ``Edits`` and the insertion."""
-    touched = _touched(base.splitlines(True), ours.splitlines(True))
+    base source is ``base`` (``changed``: ours and its margin, see
+    ``changed_sources``); return its ``Edits`` and the insertion."""
+    ours, margin = changed
+    touched = _touched(base.splitlines(True), ours.splitlines(True), margin)
     sm = difflib.SequenceMatcher(
         None, base.splitlines(), ours.splitlines(), autojunk=False
     )
@@ -176,15 +197,10 @@ def simulated_release(
     init = release.root / "mlx_lm" / "__init__.py"
     init.write_text(init.read_text() + "\n_simulated = set()\n")
     conflict = set(conflict)
-    targets = [
-        t
-        for p in patches
-        for t in p.targets
-        if t.new is not _registry.REMOVED
-        and _merge.bases().get(t.name, {}).get("delta") is not None
-    ]
+    ours = changed_sources(patches)
+    targets = {t.name: t for p in patches for t in p.targets if t.name in ours}
     by_file: Dict[Path, list] = {}
-    for t in targets:
+    for t in targets.values():
         module, _, cls = t.owner.partition(":")
         path = release.root / Path(*module.split(".")).with_suffix(".py")
         by_file.setdefault(path, []).append((t, cls or None))
@@ -200,9 +216,8 @@ def simulated_release(
             base = textwrap.dedent(
                 "".join("".join(lines[d.start : d.end]) for d in defs)
             )
-            ours = _registry.source_of(t.new)
             edits, insert = _edit(
-                lines, defs[0].start, base, ours, t.name, t.name in conflict
+                lines, defs[0].start, base, ours[t.name], t.name, t.name in conflict
             )
             release.edits[t.name] = edits
             if insert:

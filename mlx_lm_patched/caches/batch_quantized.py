@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, List
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
-from .._registry import Patch, cache_class, targets
+from .._registry import Patch, cache_class, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, dynamic_roll
@@ -444,39 +444,15 @@ class _BatchKVCache:
             cache.keys, cache.values = _quantize_update(cache, self.keys, self.values)
         return cache
 
-    @classmethod
-    def merge(cls, caches):
-        if any(hasattr(c, "bits") for c in caches):
-            return BatchQuantizedKVCache.merge(caches)
-        lengths = [c.size() for c in caches]
-        max_length = max(lengths)
 
-        # No cache has content so make an empty one
-        if max_length == 0:
-            return BatchKVCache([0] * len(caches))
-
-        padding = [max_length - l for l in lengths]
-        B = len(caches)
-        H = max(c.keys.shape[1] for c in caches if c.keys is not None)
-        Dk = max(c.keys.shape[3] for c in caches if c.keys is not None)
-        Dv = max(c.values.shape[3] for c in caches if c.values is not None)
-        dt = next(iter(c.keys.dtype for c in caches if c.keys is not None))
-
-        keys = mx.zeros((B, H, max_length, Dk), dtype=dt)
-        values = mx.zeros((B, H, max_length, Dv), dtype=dt)
-        for i, (p, c) in enumerate(zip(padding, caches)):
-            if c.keys is None:
-                continue
-            keys[i : i + 1, :, p : p + c.offset] = c.keys[..., : c.offset, :]
-            values[i : i + 1, :, p : p + c.offset] = c.values[..., : c.offset, :]
-
-        cache = cls(padding)
-        cache.keys = keys
-        cache.values = values
-        cache.offset += keys.shape[2]
-        cache._idx = keys.shape[2]
-
-        return cache
+# BatchKVCache.merge: quantized caches merge as BatchQuantizedKVCache.
+_BATCH_KV_CACHE_MERGE = """\
+@@ -2,2 +2,4 @@
+ def merge(cls, caches):
++    if any(hasattr(c, "bits") for c in caches):
++        return BatchQuantizedKVCache.merge(caches)
+     lengths = [c.size() for c in caches]
+"""
 
 
 PATCH = Patch(
@@ -492,6 +468,7 @@ PATCH = Patch(
     )
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
     + targets("mlx_lm.models.cache:BatchKVCache", _BatchKVCache)
+    + edits("mlx_lm.models.cache:BatchKVCache", merge=_BATCH_KV_CACHE_MERGE)
     + targets("mlx_lm.models.cache:RotatingKVCache", _RotatingKVCache)
     + targets("mlx_lm.models.cache:BatchRotatingKVCache", _BatchRotatingKVCache),
     requires=(

@@ -18,14 +18,15 @@ checkpoint interval (``rotating_prealloc``, ``ring_checkpoints``): a server
 passes them, no class attribute is set for the process.
 """
 
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List
 
-import mlx.nn as nn
-
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import (
+        KVCache,
+        RotatingKVCache,
+    )
 
 # Written as they would read in mlx_lm/models/cache.py, and run there
 # (``KVCache`` and ``RotatingKVCache`` are that module's).
@@ -73,61 +74,67 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
         )
 
 
-def make_prompt_cache(
-    model: nn.Module,
-    max_kv_size: Optional[int] = None,
-    slack: int = 0,
-    checkpoint_every: int = 0,
-) -> List[Any]:
-    """
-    Construct the model's cache for use in generation.
-
-    This function will defer the cache construction to the model if it has a
-    ``make_cache`` method, otherwise it will make a default KV cache.
-
-    Args:
-        model (nn.Module): The language model.
-        max_kv_size (Optional[int]): If provided (at least 1), full-attention
-            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
-            the first 4) and sliding layers a window no larger than
-            ``max_kv_size``.
-        slack (int): Tokens each ``RotatingKVCache`` layer can be trimmed back
-            after it wraps (at most its window). Default: ``0``.
-        checkpoint_every (int): Each ``RotatingKVCache`` layer keeps a copy of
-            its window every this many tokens of a prefill. Default: ``0``,
-            none.
-    """
-    if max_kv_size is not None and max_kv_size < 1:
-        raise ValueError(
-            f"max_kv_size must be >= 1 (tokens a layer), got {max_kv_size}"
-        )
-    if hasattr(model, "make_cache"):
-        cache = model.make_cache()
-        if max_kv_size is not None:
-            _bound_layers(model, cache, max_kv_size)
-    else:
-        num_layers = len(model.layers)
-        if max_kv_size is not None:
-            cache = [
-                RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
-            ]
-        else:
-            cache = [KVCache() for _ in range(num_layers)]
-    if slack or checkpoint_every:  # the rings made again with them
-        cache = [
-            (
-                RotatingKVCache(
-                    c.max_size,
-                    c.keep,
-                    slack=min(slack, c.max_size - c.keep),
-                    checkpoint_every=checkpoint_every,
-                )
-                if type(c) is RotatingKVCache
-                else c
-            )
-            for c in cache
-        ]
-    return cache
+# make_prompt_cache: a model's own cache bounded too; rings with slack and checkpoints.
+_MAKE_PROMPT_CACHE = r'''@@ -3,2 +3,4 @@
+     max_kv_size: Optional[int] = None,
++    slack: int = 0,
++    checkpoint_every: int = 0,
+ ) -> List[Any]:
+@@ -12,15 +14,42 @@
+         model (nn.Module): The language model.
+-        max_kv_size (Optional[int]): If provided and the model does not have a
+-            ``make_cache`` method, a ``RotatingKVCache`` is used with a maximum
+-            size of ``max_kv_size``
++        max_kv_size (Optional[int]): If provided (at least 1), full-attention
++            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
++            the first 4) and sliding layers a window no larger than
++            ``max_kv_size``.
++        slack (int): Tokens each ``RotatingKVCache`` layer can be trimmed back
++            after it wraps (at most its window). Default: ``0``.
++        checkpoint_every (int): Each ``RotatingKVCache`` layer keeps a copy of
++            its window every this many tokens of a prefill. Default: ``0``,
++            none.
+     """
++    if max_kv_size is not None and max_kv_size < 1:
++        raise ValueError(
++            f"max_kv_size must be >= 1 (tokens a layer), got {max_kv_size}"
++        )
+     if hasattr(model, "make_cache"):
+-        return model.make_cache()
+-
+-    num_layers = len(model.layers)
+-    if max_kv_size is not None:
+-        return [
+-            RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
++        cache = model.make_cache()
++        if max_kv_size is not None:
++            _bound_layers(model, cache, max_kv_size)
++    else:
++        num_layers = len(model.layers)
++        if max_kv_size is not None:
++            cache = [
++                RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
++            ]
++        else:
++            cache = [KVCache() for _ in range(num_layers)]
++    if slack or checkpoint_every:  # the rings made again with them
++        cache = [
++            (
++                RotatingKVCache(
++                    c.max_size,
++                    c.keep,
++                    slack=min(slack, c.max_size - c.keep),
++                    checkpoint_every=checkpoint_every,
++                )
++                if type(c) is RotatingKVCache
++                else c
++            )
++            for c in cache
+         ]
+-    else:
+-        return [KVCache() for _ in range(num_layers)]
++    return cache
+'''
 
 
 PATCH = Patch(
@@ -135,5 +142,6 @@ PATCH = Patch(
     "make_prompt_cache: honour max_kv_size for models with make_cache; "
     "rings with slack and checkpoints as asked",
     targets("mlx_lm.models.cache", _bounded_logged=_bounded_logged)
-    + targets("mlx_lm.models.cache", _bound_layers, make_prompt_cache),
+    + targets("mlx_lm.models.cache", _bound_layers)
+    + edits("mlx_lm.models.cache", make_prompt_cache=_MAKE_PROMPT_CACHE),
 )

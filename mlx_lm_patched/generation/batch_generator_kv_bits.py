@@ -14,30 +14,18 @@ full-precision cache. ``_extend_cache`` quantizes a batch joining a
 quantized one.
 """
 
-import functools
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
-from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
-from .._registry import Patch, cache_class, targets
+from .._registry import Patch, cache_class, edits, targets
 from ..caches.rotating_prealloc import _pipeline
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.generate import (
-        BatchCounters,
-        GenerationBatch,
-        PromptProcessingBatch,
-        StopSequences,
-        deque,
-        generation_stream,
-        greedy_sampler,
-        maybe_set_recommended_wired_limit,
+    from generate_kv_checks import (
+        _check_kv_quantization,
     )
-
-    from .generate_kv_checks import _check_kv_quantization
 
 # Written as they would read in mlx_lm/generate.py, and run there.
 
@@ -120,71 +108,37 @@ class _QuantizingModel:
         return getattr(self.model, name)
 
 
-class BatchGenerator:
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        max_tokens: int = 128,
-        stop_tokens: Optional[Sequence[Sequence[int]]] = None,
-        sampler: Optional[Sampler] = None,
-        logits_processors: Optional[List[LogitsProcessor]] = None,
-        completion_batch_size: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 2048,
-        max_kv_size: Optional[int] = None,
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
-        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-        stream=None,
-    ):
-        # As in generate_step: after each model call, a cache is quantized
-        # once its longest row has seen ``quantized_kv_start`` tokens.
-        self.kv_bits = kv_bits
-        self.kv_group_size = kv_group_size
-        self.quantized_kv_start = quantized_kv_start
-        if kv_bits is not None:
-            model = _QuantizingModel(
-                model,
-                functools.partial(
-                    maybe_quantize_batch_cache,
-                    quantized_kv_start=quantized_kv_start,
-                    kv_group_size=kv_group_size,
-                    kv_bits=kv_bits,
-                ),
-            )
-        self.model = model
-        self.max_tokens = max_tokens
-        self.sampler = sampler or greedy_sampler
-        self.logits_processors = logits_processors or []
-        self.uid_count = 0
-        self.prefill_step_size = prefill_step_size
-        self.prefill_batch_size = prefill_batch_size
-        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
-        self.max_kv_size = max_kv_size
-
-        self._stream = stream or generation_stream
-
-        self._default_stop_sequences = StopSequences(
-            stop_tokens if stop_tokens else None,
-        )
-        self._uid_count = 0
-        self._prompt_batch = PromptProcessingBatch.empty(
-            self.model,
-            self.sampler,
-            prefill_step_size=prefill_step_size,
-        )
-        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
-        self._unprocessed_sequences = deque()
-        self._currently_processing = []
-
-        self._counters = BatchCounters()
-
-        self._old_wired_limit = maybe_set_recommended_wired_limit()
-
-
 _QuantizeOnWrite = cache_class("mlx_lm.generate", _QuantizeOnWrite)
 _QuantizingModel = cache_class("mlx_lm.generate", _QuantizingModel)
+
+
+# BatchGenerator.__init__: kv_bits, kv_group_size, quantized_kv_start.
+_INIT = """\
+@@ -12,4 +12,22 @@
+     max_kv_size: Optional[int] = None,
++    kv_bits: Optional[int] = None,
++    kv_group_size: int = 64,
++    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+     stream=None,
+ ):
++    # As in generate_step: after each model call, a cache is quantized
++    # once its longest row has seen ``quantized_kv_start`` tokens.
++    self.kv_bits = kv_bits
++    self.kv_group_size = kv_group_size
++    self.quantized_kv_start = quantized_kv_start
++    if kv_bits is not None:
++        model = _QuantizingModel(
++            model,
++            functools.partial(
++                maybe_quantize_batch_cache,
++                quantized_kv_start=quantized_kv_start,
++                kv_group_size=kv_group_size,
++                kv_bits=kv_bits,
++            ),
++        )
+     self.model = model
+"""
+
 
 PATCH = Patch(
     "batch_generator_kv_bits",
@@ -198,6 +152,6 @@ PATCH = Patch(
         _pipeline,  # imported from mlx_lm/models/cache.py
         _extend_cache,
     )
-    + targets("mlx_lm.generate:BatchGenerator", BatchGenerator),
+    + edits("mlx_lm.generate:BatchGenerator", __init__=_INIT),
     requires=("mlx_lm.models.cache:BatchKVCache.to_quantized",),
 )

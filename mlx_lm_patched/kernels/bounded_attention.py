@@ -136,6 +136,8 @@ def scaled_dot_product_attention(
     path = attention_path(queries, keys, values, mask)
     if path == "additive" and mask.dtype == mx.bool_:
         mask = additive_mask(mask, queries.dtype)
+    if path == "additive" and sinks is None:
+        return _in_bucket(queries, keys, values, scale, mask)
     if path == "scores":
         B, H, N, _ = queries.shape
         per_query = 4 * B * H * keys.shape[2]  # float32 scores
@@ -145,6 +147,54 @@ def scaled_dot_product_attention(
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=sinks
     )
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to the next of two sizes per doubling (…, 512, 768,
+    1024, 1536, 2048, …; 64 at least)."""
+    if n <= 64:
+        return 64
+    step = 1 << (n.bit_length() - 2)
+    return -(-n // step) * step
+
+
+def _in_bucket(queries, keys, values, scale, mask):
+    """The fused call on queries and keys padded to their ``bucket``s, the
+    padding masked out (it adds exact zeros) and cut off: cuDNN builds a
+    graph for every new shape (45-75 ms on an H200, once), and a server
+    meets a new one at every request of a growing conversation."""
+    L, K = queries.shape[2], keys.shape[2]
+    Lb, Kb = bucket(L), bucket(K)
+    if (Lb, Kb) == (L, K) or tuple(mask.shape[-2:]) != (L, K):
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask
+        )
+    pad = lambda x, n: mx.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n), (0, 0)])
+    queries, keys, values = pad(queries, Lb - L), pad(keys, Kb - K), pad(values, Kb - K)
+    out = mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=bucket_mask(mask, Lb, Kb)
+    )
+    return out[..., :L, :]
+
+
+_bucket_masks = {}
+
+
+def bucket_mask(mask, rows: int, columns: int):
+    """An additive ``mask`` padded to ``rows`` x ``columns``: the new columns
+    masked, the new rows seeing their first column only (no row all
+    masked). Made once for a model call's layers, as ``additive_mask``."""
+    key = (id(mask), rows, columns)
+    if key not in _bucket_masks:
+        _bucket_masks.clear()
+        L, K = mask.shape[-2:]
+        low = mx.finfo(mask.dtype).min
+        lead = [(0, 0)] * (mask.ndim - 2)
+        padded = mx.pad(mask, lead + [(0, 0), (0, columns - K)], constant_values=low)
+        padded = mx.pad(padded, lead + [(0, rows - L), (0, 0)], constant_values=low)
+        first = (mx.arange(rows)[:, None] >= L) & (mx.arange(columns)[None] == 0)
+        _bucket_masks[key] = mask, mx.where(first, mx.array(0, mask.dtype), padded)
+    return _bucket_masks[key][1]
 
 
 def _query_blocks(queries, keys, values, scale, mask, sinks, rows):
@@ -192,10 +242,17 @@ PATCH = Patch(
     "scaled_dot_product_attention: array masks fused where the backend can "
     "(additive on CUDA), chained query blocks of bounded scores elsewhere",
     targets("mlx_lm.models.base", sdpa_backend, attention_path)
-    + targets("mlx_lm.models.base", _additive_masks=_additive_masks)
+    + targets(
+        "mlx_lm.models.base",
+        _additive_masks=_additive_masks,
+        _bucket_masks=_bucket_masks,
+    )
     + targets(
         "mlx_lm.models.base",
         additive_mask,
+        bucket,
+        bucket_mask,
+        _in_bucket,
         _query_blocks,
         scaled_dot_product_attention,
     ),

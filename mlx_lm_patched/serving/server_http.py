@@ -33,18 +33,11 @@ import time
 from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING, Optional
 
-from mlx_lm.server import APIHandler, CompletionRequest, GenerationArguments
-
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    import warnings
-
     from mlx_lm.server import (
-        BaseHTTPRequestHandler,
-        Queue,
         QueueEmpty,
-        get_system_fingerprint,
     )
 
 # At most this long, once stopped, for the generation thread to end its
@@ -152,69 +145,6 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 # Written as they read in mlx_lm/server.py, and run there.
-def _run_http_server(
-    host: str,
-    port: int,
-    response_generator,
-    server_class=None,
-    handler_class=APIHandler,
-):
-    server_class = server_class or BoundedHTTPServer  # or a subclass of it
-    server_address = (host, port)
-    infos = socket.getaddrinfo(
-        *server_address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )
-    server_class.address_family, _, _, _, server_address = next(iter(infos))
-    cli_args = response_generator.cli_args
-
-    class Handler(handler_class):
-        # Idle connections are closed after this many seconds.
-        timeout = getattr(cli_args, "idle_timeout", 60.0)
-
-        def parse_request(self):
-            # A request read while stopping gets a 503; the others are counted.
-            if not BaseHTTPRequestHandler.parse_request(self):
-                return False
-            if not self.server.stopping:
-                self.server.request_started()
-                self._counted = True
-                return True
-            self.close_connection = True
-            self._set_completion_headers(503)
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(b'{"error": "Server is stopping"}')
-            return False
-
-        def handle_one_request(self):
-            self._counted = False
-            try:
-                BaseHTTPRequestHandler.handle_one_request(self)
-            finally:
-                if self._counted:
-                    self.server.request_done()
-                if self.server.stopping:
-                    self.close_connection = True
-
-    httpd = server_class(
-        server_address,
-        lambda *args, **kwargs: Handler(
-            response_generator,
-            system_fingerprint=get_system_fingerprint(),
-            *args,
-            **kwargs,
-        ),
-        backlog=getattr(cli_args, "listen_backlog", 1024),
-        max_connections=getattr(cli_args, "max_connections", 256),
-    )
-    warnings.warn(
-        "mlx_lm.server is not recommended for production as "
-        "it only implements basic security checks."
-    )
-    logging.info(f"Starting httpd at {host} on port {port}...")
-    httpd.serve_until_stopped(response_generator)
-
-
 class ResponseGenerator:
     def stop_and_join(self, timeout: Optional[float] = None):
         """Stop the generation thread, waiting at most ``timeout`` s for it;
@@ -234,39 +164,98 @@ class ResponseGenerator:
                 break
             rqueue.put(RuntimeError("Server is stopping"))
 
-    def generate(
-        self,
-        request: CompletionRequest,
-        generation_args: GenerationArguments,
-        progress_callback=None,
-    ):
-        response_queue = Queue()
-        if self._stop:
-            raise RuntimeError("Server is stopping")
-        if not self.generation_available():
-            raise RuntimeError("generation thread died")
-        self.requests.put((response_queue, request, generation_args))
 
-        def _inner():
-            while True:
-                response = self._await_response(response_queue)
-                if response is None:
-                    break
-                if isinstance(response, Exception):
-                    raise response
-                if isinstance(response, tuple):
-                    if progress_callback is not None:
-                        progress_callback(*response)
-                    continue
-                yield response
+# ResponseGenerator._generate: a stopped server ends its batch at the next step.
+_GENERATE = """\
+@@ -197,2 +197,4 @@
+             for _ in self._time_budget:
++                if self._stop:  # server_http: stopped at the next step
++                    break
+                 prompt_responses, gen_responses = batch_generator.next()
+"""
 
-        ctx = self._await_response(response_queue)
-        if ctx is None:  # stopped before it started
-            raise RuntimeError("Server is stopping")
-        if isinstance(ctx, Exception):
-            raise ctx
 
-        return ctx, _inner()
+# ResponseGenerator.generate: a stopping server takes no request.
+_RG_GENERATE = """\
+@@ -4,5 +4,7 @@
+     generation_args: GenerationArguments,
+-    progress_callback: Optional[Callable[[int, int], None]] = None,
++    progress_callback=None,
+ ):
+     response_queue = Queue()
++    if self._stop:
++        raise RuntimeError("Server is stopping")
+     if not self.generation_available():
+@@ -25,2 +27,4 @@
+     ctx = self._await_response(response_queue)
++    if ctx is None:  # stopped before it started
++        raise RuntimeError("Server is stopping")
+     if isinstance(ctx, Exception):
+"""
+
+
+# _run_http_server: a bounded server, stopped by SIGTERM.
+_RUN_HTTP_SERVER = """\
+@@ -4,5 +4,6 @@
+     response_generator,
+-    server_class=ThreadingHTTPServer,
++    server_class=None,
+     handler_class=APIHandler,
+ ):
++    server_class = server_class or BoundedHTTPServer  # or a subclass of it
+     server_address = (host, port)
+@@ -12,5 +13,36 @@
+     server_class.address_family, _, _, _, server_address = next(iter(infos))
++    cli_args = response_generator.cli_args
++
++    class Handler(handler_class):
++        # Idle connections are closed after this many seconds.
++        timeout = getattr(cli_args, "idle_timeout", 60.0)
++
++        def parse_request(self):
++            # A request read while stopping gets a 503; the others are counted.
++            if not BaseHTTPRequestHandler.parse_request(self):
++                return False
++            if not self.server.stopping:
++                self.server.request_started()
++                self._counted = True
++                return True
++            self.close_connection = True
++            self._set_completion_headers(503)
++            self.send_header("Connection", "close")
++            self.end_headers()
++            self.wfile.write(b'{"error": "Server is stopping"}')
++            return False
++
++        def handle_one_request(self):
++            self._counted = False
++            try:
++                BaseHTTPRequestHandler.handle_one_request(self)
++            finally:
++                if self._counted:
++                    self.server.request_done()
++                if self.server.stopping:
++                    self.close_connection = True
++
+     httpd = server_class(
+         server_address,
+-        lambda *args, **kwargs: handler_class(
++        lambda *args, **kwargs: Handler(
+             response_generator,
+@@ -20,2 +52,4 @@
+         ),
++        backlog=getattr(cli_args, "listen_backlog", 1024),
++        max_connections=getattr(cli_args, "max_connections", 256),
+     )
+@@ -26,6 +60,2 @@
+     logging.info(f"Starting httpd at {host} on port {port}...")
+-    try:
+-        httpd.serve_forever()
+-    except KeyboardInterrupt:
+-        httpd.shutdown()
+-        response_generator.stop_and_join()
++    httpd.serve_until_stopped(response_generator)
+"""
 
 
 PATCH = Patch(
@@ -280,8 +269,11 @@ PATCH = Patch(
         signal,
         threading,
         BoundedHTTPServer,
-        _run_http_server,
         STOP_SECONDS=STOP_SECONDS,
     )
-    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
+    + edits("mlx_lm.server", _run_http_server=_RUN_HTTP_SERVER)
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits(
+        "mlx_lm.server:ResponseGenerator", generate=_RG_GENERATE, _generate=_GENERATE
+    ),
 )

@@ -7,7 +7,9 @@ served one at a time (``_serve_single``), grow it past the budget
 (ml-explore/mlx-lm#1390, #1807). Here ``run`` gives the prompt cache
 ``max_bytes``, so every insert evicts down to the budget on every path; the
 batched path also trims after every batch step to the budget less what the
-running batch holds (``server_kv_bits``'s ``_generate``). The size the
+running batch holds (an edit of ``_generate``, which also logs each
+request's prompt-cache timings at DEBUG and hands a disk tier the batch's
+prefill counters, from which it judges whether a restore from disk pays). The size the
 server logs before each request is exact (``... 0.00 GB (1638400 B)``):
 GB to two decimals hid every budget under 5 MB.
 
@@ -33,8 +35,8 @@ keys and values of users' prompts: written ``0600``, a directory made
 before, ``os.open`` without a mode made them ``0755``). At start the
 log gives the disk entries found (count, bytes) and the budgets in force;
 then both tiers' sizes before each request and which tier served how many
-of its tokens. Upstream's ``main`` builds its parser inline, so it is here whole,
-with the flags added. Its size flags took upstream's ``_parse_size``, whose
+of its tokens. Upstream's ``main`` builds its parser inline; an edit of it
+adds the flags. Its size flags took upstream's ``_parse_size``, whose
 ``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
 ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
 or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
@@ -43,120 +45,21 @@ file or a directory it cannot list (``_prompt_cache_dir``).
 HTTP server for bursts (``server_http``).
 """
 
-from http.server import ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
-from mlx_lm.server import APIHandler, ModelProvider
-
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import argparse
-    import json
     import logging
     import time
 
-    import mlx.core as mx
     from mlx_lm.server import (
-        DEFAULT_QUANTIZED_KV_START,
-        LRUPromptCache,
         Path,
-        _run_http_server,
-        maybe_set_recommended_wired_limit,
     )
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
-def run(
-    host: str,
-    port: int,
-    model_provider: ModelProvider,
-    server_class=ThreadingHTTPServer,
-    handler_class=APIHandler,
-):
-    group = mx.distributed.init()
-    cli_args = model_provider.cli_args
-    # Entries quantized at rest (RAM and disk); the batch computes at its own.
-    at_rest = {
-        "bits": getattr(cli_args, "prompt_cache_bits", None),
-        "group_size": getattr(cli_args, "prompt_cache_group_size", 64),
-    }
-    if cli_args.prompt_cache_dir is None:
-        prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, **at_rest)
-    else:
-        from .models.cache import DiskLRUPromptCache, DiskPromptCache
-
-        # One directory per rank: each holds its own shard of the caches.
-        directory = Path(cli_args.prompt_cache_dir)
-        if group.size() > 1:
-            directory = directory / f"rank{group.rank()}"
-        disk = DiskPromptCache(
-            str(directory),
-            cli_args.prompt_cache_disk_bytes,
-            cli_args.prompt_cache_queue_bytes,
-            getattr(cli_args, "prompt_cache_mode", 0o600),
-            digest_wait=False,
-        )
-        # Caches quantized otherwise are other entries: never served across.
-        disk.scope = " ".join(
-            f"--{k} {getattr(cli_args, k.replace('-', '_'), None)}"
-            for k in (
-                "kv-bits",
-                "kv-group-size",
-                "prompt-cache-bits",
-                "prompt-cache-group-size",
-            )
-        )
-        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
-        # The weights' digest (entries' model key) is read on a thread from
-        # now, not by the first request (an 8B model's 16 GB: 14 s on an
-        # H200's host); requests miss the disk tier until it is known.
-        default = ("model", "adapter_path", "draft_model")
-        disk._model_key(tuple(getattr(cli_args, k, None) for k in default), wait=False)
-    if cli_args.prompt_cache_bytes is not None:
-        prompt_cache.max_bytes = cli_args.prompt_cache_bytes
-    # What the server starts with, and the budgets it holds.
-    held = f"{cli_args.prompt_cache_size} entries"
-    if cli_args.prompt_cache_bytes is not None:
-        held += f", {cli_args.prompt_cache_bytes} B with the running batch"
-    line = f"Prompt cache: memory holds at most {held}"
-    if cli_args.prompt_cache_dir is not None:
-        line += (
-            f"; disk: {len(disk)} entries ({disk.nbytes} B) found in "
-            f"{directory}, holds at most {disk.max_bytes} B, queues at most "
-            f"{disk.queue_bytes} B"
-        )
-    if getattr(cli_args, "max_kv_size", None) is not None:
-        line += f"; caches are rings of {cli_args.max_kv_size} tokens"
-    logging.info(line)
-    response_generator = ResponseGenerator(model_provider, prompt_cache)
-    # Stopped by SIGTERM as on Ctrl-C (server_http).
-    if group.rank() == 0:
-        _run_http_server(host, port, response_generator)
-    else:
-        response_generator.join()
-    if cli_args.prompt_cache_dir is not None:
-        # Stopped: what is queued and what memory holds are written, in a
-        # bounded time (memory's only once the generation thread is done
-        # with it: its entries are queued as they are made).
-        if not response_generator._generation_thread.is_alive():
-            prompt_cache.trim_to(n_sequences=0)
-        logging.info(
-            f"Prompt cache: writing {disk.queued} entries "
-            f"({disk.queued_bytes} B) to {directory}, for at most "
-            f"{disk.drain_seconds} s"
-        )
-        start, before = time.perf_counter(), (disk.written, disk.dropped)
-        left = disk.close(timeout=disk.drain_seconds)
-        written, dropped = disk.written - before[0], disk.dropped - before[1]
-        logging.info(
-            f"Prompt cache: written {written} entries in "
-            f"{time.perf_counter() - start:.2f} s"
-            + (f", {dropped} not written (warned)" if dropped else "")
-            + (f", {left} entries left unwritten" if left else "")
-        )
-
-
 def _file_mode(x: str) -> int:
     """Permission bits in octal (``600``, ``660``), the owner's rw among them."""
     try:
@@ -205,6 +108,27 @@ def _prompt_cache_dir(x: str, mode: int = 0o600) -> str:
     return x
 
 
+def _log_timing(timing, phase):
+    """Log a request's breakdown at DEBUG: the milliseconds each phase took
+    (``first_token``: from joining the batch, ``segments`` the inserts at
+    its segments' ends within it; ``store``: its entry's insert once
+    answered), each phase logged once."""
+    if phase in timing:
+        return
+    timing[phase] = time.perf_counter()
+    if phase == "first_token":
+        steps = ("tokenize", "prepare", "fetch", "insert", "first_token")
+        before = ["start", *steps]
+    else:
+        steps, before = ("store",), ("done",)
+    parts = " ".join(
+        f"{k}={(timing[k] - timing[b]) * 1e3:.1f}ms" for k, b in zip(steps, before)
+    )
+    if phase == "first_token":  # of which the inserts at segment ends
+        parts += f" segments={timing.get('segments', 0.0) * 1e3:.1f}ms"
+    logging.debug(f"prompt-cache timing: {parts}")
+
+
 class ResponseGenerator:
     def _log_cache_stats(self):
         n_sequences = len(self.prompt_cache)
@@ -229,292 +153,363 @@ class ResponseGenerator:
             )
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description="%(prog)s: an OpenAI-compatible HTTP server for MLX models "
-        "(mlx-lm's, with mlx-lm-patched's caches): batched requests, a prompt "
-        "cache in memory and, with --prompt-cache-dir, on disk."
-    )
-    parser.add_argument(
-        "--model",
-        type=str,
-        help="The path to the MLX model weights, tokenizer, and config",
-    )
-    parser.add_argument(
-        "--adapter-path",
-        type=str,
-        help="Optional path for the trained adapter weights and config.",
-    )
-    parser.add_argument(
-        "--host",
-        type=str,
-        default="127.0.0.1",
-        help="Host for the HTTP server (default: 127.0.0.1)",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=8080,
-        help="Port for the HTTP server (default: 8080)",
-    )
-    parser.add_argument(
-        "--allowed-origins",
-        type=lambda x: x.split(","),
-        default="*",
-        help="Allowed origins (default: *)",
-    )
-    parser.add_argument(
-        "--draft-model",
-        type=str,
-        help="A model to be used for speculative decoding (requests are then "
-        "served one at a time); works with --max-kv-size and sliding-window "
-        "models",
-        default=None,
-    )
-    parser.add_argument(
-        "--num-draft-tokens",
-        type=int,
-        help="Number of tokens to draft when using speculative decoding "
-        "(default: 3)",
-        default=3,
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="Enable trusting remote code for tokenizer",
-    )
-    parser.add_argument(
-        "--log-level",
-        type=str,
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-        help="Set the logging level (default: INFO)",
-    )
-    parser.add_argument(
-        "--chat-template",
-        type=str,
-        default="",
-        help="Specify a chat template for the tokenizer",
-        required=False,
-    )
-    parser.add_argument(
-        "--use-default-chat-template",
-        action="store_true",
-        help="Use the default chat template",
-    )
-    parser.add_argument(
-        "--temp",
-        type=float,
-        default=0.0,
-        help="Default sampling temperature (default: 0.0)",
-    )
-    parser.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="Default nucleus sampling top-p (default: 1.0)",
-    )
-    parser.add_argument(
-        "--top-k",
-        type=int,
-        default=0,
-        help="Default top-k sampling (default: 0, disables top-k)",
-    )
-    parser.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="Default min-p sampling (default: 0.0, disables min-p)",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=512,
-        help="Default maximum number of tokens to generate (default: 512)",
-    )
-    parser.add_argument(
-        "--chat-template-args",
-        type=json.loads,
-        help="""A JSON formatted string of arguments for the tokenizer's apply_chat_template, e.g. '{"enable_thinking":false}'""",
-        default="{}",
-    )
-    parser.add_argument(
-        "--decode-concurrency",
-        type=int,
-        default=32,
-        help="When a request is batchable then decode that many requests in "
-        "parallel (default: 32)",
-    )
-    parser.add_argument(
-        "--prompt-concurrency",
-        type=int,
-        default=8,
-        help="When a request is batchable then process that many prompts in "
-        "parallel (default: 8)",
-    )
-    parser.add_argument(
-        "--prefill-step-size",
-        type=int,
-        default=2048,
-        help="Step size for prefill processing (default: 2048)",
-    )
-    parser.add_argument(
-        "--prompt-cache-size",
-        type=int,
-        default=10,
-        help="Maximum number of distinct KV caches to hold in the prompt "
-        "cache in memory (default: 10)",
-    )
-    parser.add_argument(
-        "--prompt-cache-bytes",
-        type=_parse_byte_size,
-        help="Maximum size of the prompt cache in memory plus the running "
-        "batch's caches, held after every insert and batch step: bytes, or "
-        "with a unit: 500M, 2G, 1.5G, 4GiB (default: no limit)",
-    )
-    parser.add_argument(
-        "--prompt-cache-dir",
-        help="Directory for a disk tier of the prompt cache (made if missing): "
-        "every entry is written there as it is made, by a background thread, "
-        "served from there where memory holds less of a prompt, and found "
-        "again after a restart (default: none, memory only)",
-    )
-    parser.add_argument(
-        "--prompt-cache-disk-bytes",
-        type=_parse_byte_size,
-        default="16G",
-        help="Maximum size of the --prompt-cache-dir files, oldest removed "
-        "first: bytes, or 500M, 16G... (default: 16G)",
-    )
-    parser.add_argument(
-        "--prompt-cache-queue-bytes",
-        type=_parse_byte_size,
-        default="1G",
-        help="Maximum size of the prompt caches waiting to be written "
-        "to --prompt-cache-dir; more are not written, and the log counts "
-        "them (default: 1G)",
-    )
-    parser.add_argument(
-        "--prompt-cache-mode",
-        type=_file_mode,
-        default="600",
-        help="Permissions of the files written to --prompt-cache-dir, in "
-        "octal, less the umask; a directory made gets x where they have r. "
-        "The files hold the keys and values of users' prompts: the default "
-        "is the owner only (default: 600, directories 700); replicas running "
-        "as users of one group share a directory with 660 (and umask 007)",
-    )
-    parser.add_argument(
-        "--prompt-cache-bits",
-        type=int,
-        choices=[4, 8],
-        help="Keep prompt cache entries quantized to 4 or 8 bits at rest, in "
-        "memory and on disk; requests still compute at their own precision "
-        "(default: none, entries as the requests' caches)",
-    )
-    parser.add_argument(
-        "--prompt-cache-group-size",
-        type=int,
-        choices=[32, 64, 128],
-        default=64,
-        help="Group size of --prompt-cache-bits (default: 64)",
-    )
-    # A chat template's re-rendered tail (an end-of-turn marker, a stripped
-    # space, a changed last word) is a few tokens.
-    parser.add_argument(
-        "--prompt-cache-slack",
-        type=int,
-        default=8,
-        help="Tokens a rotating cache layer (a sliding window, a --max-kv-size "
-        "ring) can be trimmed back after it wraps, so a chat whose client "
-        "re-renders the end of the previous answer reuses its cache; at most "
-        "the window (default: 8)",
-    )
-    # Four of them (``max_checkpoints``) cover the last 2,048 tokens.
-    parser.add_argument(
-        "--prompt-cache-checkpoint-every",
-        type=int,
-        default=512,
-        help="Rotating cache layers keep a copy of their window every this "
-        "many tokens of a prompt (the newest 4), so a request that branches "
-        "off a cached prompt past the window prefills from the nearest one; "
-        "0: none (default: 512)",
-    )
-    parser.add_argument(
-        "--max-kv-size",
-        type=int,
-        help="Tokens of cache a layer keeps for each conversation: "
-        "full-attention layers become rings of this many tokens that keep the "
-        "first 4 (RotatingKVCache(N, keep=4)), sliding-window layers a window "
-        "no larger; the prompt cache holds the rings (default: none, "
-        "unbounded)",
-    )
-    parser.add_argument(
-        "--kv-bits",
-        type=int,
-        default=None,
-        help="Bits of the quantized KV cache: 2, 3, 4, 5, 6 or 8, from "
-        "--quantized-kv-start on; every cache, rings included; requests are "
-        "still batched (default: none, full precision)",
-    )
-    parser.add_argument(
-        "--kv-group-size",
-        type=int,
-        default=64,
-        help="Group size for KV cache quantization (default: 64)",
-    )
-    parser.add_argument(
-        "--quantized-kv-start",
-        type=int,
-        default=DEFAULT_QUANTIZED_KV_START,
-        help="With --kv-bits, quantize a cache once it holds this many "
-        "tokens; 0 quantizes from the first token "
-        f"(default: {DEFAULT_QUANTIZED_KV_START})",
-    )
-    parser.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="Use pipelining instead of tensor parallelism",
-    )
-    parser.add_argument(
-        "--listen-backlog",
-        type=int,
-        default=1024,
-        help="Connections the kernel holds until the server accepts them "
-        "(default: 1024)",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=256,
-        help="Connections served at once, each by a thread; more get a 503 "
-        "(default: 256)",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=60.0,
-        help="Seconds a connection may send nothing before it is closed "
-        "(default: 60)",
-    )
-    args = parser.parse_args()
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        parser.error(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
-    for flag in ("listen_backlog", "max_connections", "idle_timeout"):
-        if not getattr(args, flag) > 0:
-            parser.error(f"--{flag.replace('_', '-')} must be positive")
-    if args.prompt_cache_dir is not None:
-        try:  # made with the mode, known only now
-            _prompt_cache_dir(args.prompt_cache_dir, args.prompt_cache_mode)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"argument --prompt-cache-dir: {e}")
-    _ = maybe_set_recommended_wired_limit()
+# ResponseGenerator._generate: the budget after every batch step, each
+# request's timings, the disk tier's prefill counters.
+_GENERATE = """\
+@@ -23,2 +23,9 @@
+             return self._next_request(timeout)
+ 
++    def hold_prompt_cache_bytes():
++        # The prompt cache and the running batch within --prompt-cache-bytes
++        if self.model_provider.cli_args.prompt_cache_bytes is not None:
++            total = self.model_provider.cli_args.prompt_cache_bytes
++            active = batch_generator.prompt_cache_nbytes
++            self.prompt_cache.trim_to(n_bytes=total - active)
++
+@@ -53,2 +60,3 @@
+             ):
++                timing = {"start": time.perf_counter()}
+                 try:
+@@ -56,4 +64,5 @@
+                         self._tokenize(current_tokenizer, request, args)
+                     )
++                    timing["tokenize"] = time.perf_counter()
+                 except Exception as e:
+                     rqueue.put(e)
+@@ -68,2 +77,3 @@
+                 self._log_cache_stats()
++                timing["prepare"] = time.perf_counter()
+                 cache, rest = self.prompt_cache.fetch_nearest_cache(
+@@ -71,2 +81,10 @@
+                 )
++                if cache is None:  # rings with the server's slack, checkpoints
++                    cache = make_prompt_cache(
++                        self.model_provider.model,
++                        getattr(self.cli_args, "max_kv_size", None),
++                        self.cli_args.prompt_cache_slack,
++                        self.cli_args.prompt_cache_checkpoint_every,
++                    )
++                timing["fetch"] = time.perf_counter()
+                 prompt_cache_count = len(prompt) - len(rest)
+@@ -107,3 +118,5 @@
+                     "top_logprobs": args.top_logprobs,
++                    "timing": timing,
+                 }
++                timing["insert"] = time.perf_counter()
+                 # just making sure we don't leave a reference around
+@@ -111,6 +124,3 @@
+ 
+-                if self.model_provider.cli_args.prompt_cache_bytes is not None:
+-                    total = self.model_provider.cli_args.prompt_cache_bytes
+-                    active = batch_generator.prompt_cache_nbytes
+-                    self.prompt_cache.trim_to(n_bytes=total - active)
++                hold_prompt_cache_bytes()
+                 continue
+@@ -147,2 +157,5 @@
+                 )
++                # The disk tier's cost model reads how fast it prefills.
++                if hasattr(self.prompt_cache, "prefill_counters"):
++                    self.prompt_cache.prefill_counters = batch_generator._counters
+                 unprocessed_requests.append((rqueue, request, args))
+@@ -192,2 +205,4 @@
+                 for uid, (cache, cache_key) in caches.items():
++                    timing = batch_results[uid]["timing"]
++                    at = time.perf_counter()
+                     self.prompt_cache.insert_cache(
+@@ -198,2 +213,5 @@
++                    )
++                    timing["segments"] = timing.get("segments", 0.0) + (
++                        time.perf_counter() - at
+                     )
+                 del caches
+@@ -202,2 +220,3 @@
+                     result = batch_results[r.uid]
++                    _log_timing(result["timing"], "first_token")
+ 
+@@ -231,2 +250,3 @@
+                         result["rqueue"].put(None)
++                        result["timing"]["done"] = time.perf_counter()
+                         self.prompt_cache.insert_cache(
+@@ -237,2 +257,3 @@
+                         )
++                        _log_timing(result["timing"], "store")
+                         del batch_results[r.uid]
+@@ -240,4 +261,6 @@
+                     if result["ctx"]._should_stop:
+                         uids_to_remove.append(r.uid)
+ 
++                hold_prompt_cache_bytes()
++
+             uids_to_remove = self._share_object(uids_to_remove)
+"""
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), None),
-        format="%(asctime)s - %(levelname)s - %(message)s",
-    )
-    run(args.host, args.port, ModelProvider(args))
+
+# main: the prompt cache's flags.
+_MAIN = """\
+@@ -1,3 +1,7 @@
+ def main():
+-    parser = argparse.ArgumentParser(description="MLX Http Server.")
++    parser = argparse.ArgumentParser(
++        description="%(prog)s: an OpenAI-compatible HTTP server for MLX models "
++        "(mlx-lm's, with mlx-lm-patched's caches): batched requests, a prompt "
++        "cache in memory and, with --prompt-cache-dir, on disk."
++    )
+     parser.add_argument(
+@@ -33,3 +37,5 @@
+         type=str,
+-        help="A model to be used for speculative decoding.",
++        help="A model to be used for speculative decoding (requests are then "
++        "served one at a time); works with --max-kv-size and sliding-window "
++        "models",
+         default=None,
+@@ -39,3 +45,4 @@
+         type=int,
+-        help="Number of tokens to draft when using speculative decoding.",
++        help="Number of tokens to draft when using speculative decoding "
++        "(default: 3)",
+         default=3,
+@@ -106,3 +113,4 @@
+         default=32,
+-        help="When a request is batchable then decode that many requests in parallel",
++        help="When a request is batchable then decode that many requests in "
++        "parallel (default: 32)",
+     )
+@@ -112,3 +120,4 @@
+         default=8,
+-        help="When a request is batchable then process that many prompts in parallel",
++        help="When a request is batchable then process that many prompts in "
++        "parallel (default: 8)",
+     )
+@@ -124,3 +133,4 @@
+         default=10,
+-        help="Maximum number of distinct KV caches to hold in the prompt cache",
++        help="Maximum number of distinct KV caches to hold in the prompt "
++        "cache in memory (default: 10)",
+     )
+@@ -128,4 +138,62 @@
+         "--prompt-cache-bytes",
+-        type=_parse_size,
+-        help="Maximum size in bytes of the KV caches",
++        type=_parse_byte_size,
++        help="Maximum size of the prompt cache in memory plus the running "
++        "batch's caches, held after every insert and batch step: bytes, or "
++        "with a unit: 500M, 2G, 1.5G, 4GiB (default: no limit)",
+     )
++    parser.add_argument(
++        "--prompt-cache-dir",
++        help="Directory for a disk tier of the prompt cache (made if missing): "
++        "every entry is written there as it is made, by a background thread, "
++        "served from there where memory holds less of a prompt, and found "
++        "again after a restart (default: none, memory only)",
++    )
++    parser.add_argument(
++        "--prompt-cache-disk-bytes",
++        type=_parse_byte_size,
++        default="16G",
++        help="Maximum size of the --prompt-cache-dir files, oldest removed "
++        "first: bytes, or 500M, 16G... (default: 16G)",
++    )
++    parser.add_argument(
++        "--prompt-cache-queue-bytes",
++        type=_parse_byte_size,
++        default="1G",
++        help="Maximum size of the prompt caches waiting to be written "
++        "to --prompt-cache-dir; more are not written, and the log counts "
++        "them (default: 1G)",
++    )
++    parser.add_argument(
++        "--prompt-cache-mode",
++        type=_file_mode,
++        default="600",
++        help="Permissions of the files written to --prompt-cache-dir, in "
++        "octal, less the umask; a directory made gets x where they have r. "
++        "The files hold the keys and values of users' prompts: the default "
++        "is the owner only (default: 600, directories 700); replicas running "
++        "as users of one group share a directory with 660 (and umask 007)",
++    )
++    parser.add_argument(
++        "--prompt-cache-bits",
++        type=int,
++        choices=[4, 8],
++        help="Keep prompt cache entries quantized to 4 or 8 bits at rest, in "
++        "memory and on disk; requests still compute at their own precision "
++        "(default: none, entries as the requests' caches)",
++    )
++    parser.add_argument(
++        "--prompt-cache-group-size",
++        type=int,
++        choices=[32, 64, 128],
++        default=64,
++        help="Group size of --prompt-cache-bits (default: 64)",
++    )
++    # A chat template's re-rendered tail (an end-of-turn marker, a stripped
++    # space, a changed last word) is a few tokens.
++    parser.add_argument(
++        "--prompt-cache-slack",
++        type=int,
++        default=8,
++        help="Tokens a rotating cache layer (a sliding window, a --max-kv-size "
++        "ring) can be trimmed back after it wraps, so a chat whose client "
++        "re-renders the end of the previous answer reuses its cache; at most "
++        "the window (default: 8)",
++    )
++    # Four of them (``max_checkpoints``) cover the last 2,048 tokens.
++    parser.add_argument(
++        "--prompt-cache-checkpoint-every",
++        type=int,
++        default=512,
++        help="Rotating cache layers keep a copy of their window every this "
++        "many tokens of a prompt (the newest 4), so a request that branches "
++        "off a cached prompt past the window prefills from the nearest one; "
++        "0: none (default: 512)",
++    )
++    parser.add_argument(
++        "--max-kv-size",
++        type=int,
++        help="Tokens of cache a layer keeps for each conversation: "
++        "full-attention layers become rings of this many tokens that keep the "
++        "first 4 (RotatingKVCache(N, keep=4)), sliding-window layers a window "
++        "no larger; the prompt cache holds the rings (default: none, "
++        "unbounded)",
++    )
+@@ -135,5 +203,5 @@
+         default=None,
+-        help="Number of bits for KV cache quantization (e.g., 4 or 8). "
+-        "Reduces memory usage for long contexts. Disables batching, so "
+-        "requests are served one at a time. Default: None (full precision)",
++        help="Bits of the quantized KV cache: 2, 3, 4, 5, 6 or 8, from "
++        "--quantized-kv-start on; every cache, rings included; requests are "
++        "still batched (default: none, full precision)",
+     )
+@@ -149,3 +217,4 @@
+         default=DEFAULT_QUANTIZED_KV_START,
+-        help="Token position to start KV cache quantization "
++        help="With --kv-bits, quantize a cache once it holds this many "
++        "tokens; 0 quantizes from the first token "
+         f"(default: {DEFAULT_QUANTIZED_KV_START})",
+@@ -157,3 +226,34 @@
++    )
++    parser.add_argument(
++        "--listen-backlog",
++        type=int,
++        default=1024,
++        help="Connections the kernel holds until the server accepts them "
++        "(default: 1024)",
++    )
++    parser.add_argument(
++        "--max-connections",
++        type=int,
++        default=256,
++        help="Connections served at once, each by a thread; more get a 503 "
++        "(default: 256)",
++    )
++    parser.add_argument(
++        "--idle-timeout",
++        type=float,
++        default=60.0,
++        help="Seconds a connection may send nothing before it is closed "
++        "(default: 60)",
+     )
+     args = parser.parse_args()
++    if args.max_kv_size is not None and args.max_kv_size < 1:
++        parser.error(f"--max-kv-size must be >= 1, got {args.max_kv_size}")
++    for flag in ("listen_backlog", "max_connections", "idle_timeout"):
++        if not getattr(args, flag) > 0:
++            parser.error(f"--{flag.replace('_', '-')} must be positive")
++    if args.prompt_cache_dir is not None:
++        try:  # made with the mode, known only now
++            _prompt_cache_dir(args.prompt_cache_dir, args.prompt_cache_mode)
++        except argparse.ArgumentTypeError as e:
++            parser.error(f"argument --prompt-cache-dir: {e}")
+     _ = maybe_set_recommended_wired_limit()
+"""
+
+
+# run: the prompt cache built with its byte budget, bits and disk tier.
+_RUN = """\
+@@ -8,4 +8,58 @@
+     group = mx.distributed.init()
+-    prompt_cache = LRUPromptCache(model_provider.cli_args.prompt_cache_size)
++    cli_args = model_provider.cli_args
++    # Entries quantized at rest (RAM and disk); the batch computes at its own.
++    at_rest = {
++        "bits": getattr(cli_args, "prompt_cache_bits", None),
++        "group_size": getattr(cli_args, "prompt_cache_group_size", 64),
++    }
++    if cli_args.prompt_cache_dir is None:
++        prompt_cache = LRUPromptCache(cli_args.prompt_cache_size, **at_rest)
++    else:
++        from .models.cache import DiskLRUPromptCache, DiskPromptCache
++
++        # One directory per rank: each holds its own shard of the caches.
++        directory = Path(cli_args.prompt_cache_dir)
++        if group.size() > 1:
++            directory = directory / f"rank{group.rank()}"
++        disk = DiskPromptCache(
++            str(directory),
++            cli_args.prompt_cache_disk_bytes,
++            cli_args.prompt_cache_queue_bytes,
++            getattr(cli_args, "prompt_cache_mode", 0o600),
++            digest_wait=False,
++        )
++        # Caches quantized otherwise are other entries: never served across.
++        disk.scope = " ".join(
++            f"--{k} {getattr(cli_args, k.replace('-', '_'), None)}"
++            for k in (
++                "kv-bits",
++                "kv-group-size",
++                "prompt-cache-bits",
++                "prompt-cache-group-size",
++            )
++        )
++        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
++        # The weights' digest (entries' model key) is read on a thread from
++        # now, not by the first request (an 8B model's 16 GB: 14 s on an
++        # H200's host); requests miss the disk tier until it is known.
++        default = ("model", "adapter_path", "draft_model")
++        disk._model_key(tuple(getattr(cli_args, k, None) for k in default), wait=False)
++    if cli_args.prompt_cache_bytes is not None:
++        prompt_cache.max_bytes = cli_args.prompt_cache_bytes
++    # What the server starts with, and the budgets it holds.
++    held = f"{cli_args.prompt_cache_size} entries"
++    if cli_args.prompt_cache_bytes is not None:
++        held += f", {cli_args.prompt_cache_bytes} B with the running batch"
++    line = f"Prompt cache: memory holds at most {held}"
++    if cli_args.prompt_cache_dir is not None:
++        line += (
++            f"; disk: {len(disk)} entries ({disk.nbytes} B) found in "
++            f"{directory}, holds at most {disk.max_bytes} B, queues at most "
++            f"{disk.queue_bytes} B"
++        )
++    if getattr(cli_args, "max_kv_size", None) is not None:
++        line += f"; caches are rings of {cli_args.max_kv_size} tokens"
++    logging.info(line)
+     response_generator = ResponseGenerator(model_provider, prompt_cache)
++    # Stopped by SIGTERM as on Ctrl-C (server_http).
+     if group.rank() == 0:
+@@ -14,1 +68,21 @@
+         response_generator.join()
++    if cli_args.prompt_cache_dir is not None:
++        # Stopped: what is queued and what memory holds are written, in a
++        # bounded time (memory's only once the generation thread is done
++        # with it: its entries are queued as they are made).
++        if not response_generator._generation_thread.is_alive():
++            prompt_cache.trim_to(n_sequences=0)
++        logging.info(
++            f"Prompt cache: writing {disk.queued} entries "
++            f"({disk.queued_bytes} B) to {directory}, for at most "
++            f"{disk.drain_seconds} s"
++        )
++        start, before = time.perf_counter(), (disk.written, disk.dropped)
++        left = disk.close(timeout=disk.drain_seconds)
++        written, dropped = disk.written - before[0], disk.dropped - before[1]
++        logging.info(
++            f"Prompt cache: written {written} entries in "
++            f"{time.perf_counter() - start:.2f} s"
++            + (f", {dropped} not written (warned)" if dropped else "")
++            + (f", {left} entries left unwritten" if left else "")
++        )
+"""
 
 
 PATCH = Patch(
@@ -526,10 +521,19 @@ PATCH = Patch(
     "(--prompt-cache-mode); a start-up line with the entries found and the "
     "budgets; bad sizes and "
     "directories are one-line errors",
-    targets("mlx_lm.server", run, main, _file_mode, _parse_byte_size, _prompt_cache_dir)
-    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator),
+    targets(
+        "mlx_lm.server",
+        _file_mode,
+        _parse_byte_size,
+        _prompt_cache_dir,
+        _log_timing,
+    )
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE)
+    + edits("mlx_lm.server", run=_RUN, main=_MAIN),
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
         "mlx_lm.models.cache:DiskLRUPromptCache",
+        "mlx_lm.models.cache:make_prompt_cache",  # slack, checkpoint_every
     ),
 )

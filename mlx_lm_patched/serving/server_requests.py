@@ -24,14 +24,14 @@ model still loading) fails its request in the generation thread instead of
 writing out of bounds (``_make_logits_processors``).
 """
 
-import json
-import logging
 from typing import TYPE_CHECKING
 
-from .._registry import Patch, targets
+from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.server import make_logits_processors
+    from mlx_lm.server import (
+        make_logits_processors,
+    )
 
 # A request body larger than this is refused (413) before it is read.
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -67,165 +67,6 @@ def _make_logits_processors(args):
 
 
 class APIHandler:
-    def do_POST(self):
-        """
-        Respond to a POST request from a client.
-        """
-        request_factories = {
-            "/v1/completions": self.handle_text_completions,
-            "/v1/chat/completions": self.handle_chat_completions,
-            "/chat/completions": self.handle_chat_completions,
-        }
-
-        if self.path not in request_factories:
-            self._set_completion_headers(404)
-            self.end_headers()
-            self.wfile.write(b"Not Found")
-            return
-
-        # Fetch and parse request body
-        content_length = self.headers.get("Content-Length")
-        if content_length is None:
-            self._set_completion_headers(411)
-            self.end_headers()
-            self.wfile.write(
-                json.dumps({"error": "Content-Length header is required"}).encode()
-            )
-            return
-        try:
-            content_length = int(content_length)
-            if content_length < 0:
-                raise ValueError
-        except ValueError:
-            self._set_completion_headers(400)
-            self.end_headers()
-            self.wfile.write(
-                json.dumps({"error": "Invalid Content-Length header"}).encode()
-            )
-            return
-        if content_length > MAX_REQUEST_BYTES:
-            self.close_connection = True  # the body is left unread
-            self._set_completion_headers(413)
-            self.end_headers()
-            self.wfile.write(
-                json.dumps(
-                    {"error": f"Request body over {MAX_REQUEST_BYTES} bytes"}
-                ).encode()
-            )
-            return
-        raw_body = self.rfile.read(content_length)
-        try:
-            self.body = json.loads(raw_body.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            if isinstance(e, UnicodeDecodeError):
-                error = f"Request body is not UTF-8: {e}"
-            else:
-                error = f"Invalid JSON in request body: {e}"
-            logging.error(f"{error} - Raw body: {raw_body[:1000]!r}")
-            self._set_completion_headers(400)
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": error}).encode())
-            return
-
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            debug_body = json.dumps(self.body, indent="\t")
-            logging.debug(f"Incoming Request Body: {debug_body}")
-        if not isinstance(self.body, dict):
-            debug_body = json.dumps(self.body, indent="\t")
-            logging.error(f"Invalid Request Body: {debug_body}")
-            self._set_completion_headers(400)
-            self.end_headers()
-            self.wfile.write(
-                json.dumps({"error": "Request should be a JSON dictionary"}).encode()
-            )
-            return
-
-        # Extract request parameters from the body
-        self.stream = self.body.get("stream", False)
-        self.stream_options = self.body.get("stream_options", None)
-        self.requested_model = self.body.get("model", "default_model")
-        self.requested_draft_model = self.body.get("draft_model", "default_model")
-        self.num_draft_tokens = self.body.get(
-            "num_draft_tokens", self.response_generator.cli_args.num_draft_tokens
-        )
-        self.adapter = self.body.get("adapters", None)
-        self.max_tokens = self.body.get("max_completion_tokens", None)
-        if self.max_tokens is None:
-            self.max_tokens = self.body.get(
-                "max_tokens", self.response_generator.cli_args.max_tokens
-            )
-        self.temperature = self.body.get(
-            "temperature", self.response_generator.cli_args.temp
-        )
-        self.top_p = self.body.get("top_p", self.response_generator.cli_args.top_p)
-        self.top_k = self.body.get("top_k", self.response_generator.cli_args.top_k)
-        self.min_p = self.body.get("min_p", self.response_generator.cli_args.min_p)
-        self.repetition_penalty = self.body.get("repetition_penalty", 0.0)
-        self.repetition_context_size = self.body.get("repetition_context_size", 20)
-        self.presence_penalty = self.body.get("presence_penalty", 0.0)
-        self.presence_context_size = self.body.get("presence_context_size", 20)
-        self.frequency_penalty = self.body.get("frequency_penalty", 0.0)
-        self.frequency_context_size = self.body.get("frequency_context_size", 20)
-        self.xtc_probability = self.body.get("xtc_probability", 0.0)
-        self.xtc_threshold = self.body.get("xtc_threshold", 0.1)
-        self.logit_bias = self.body.get("logit_bias", None)
-        self.logprobs = self.body.get("logprobs", False)
-        self.top_logprobs = self.body.get("top_logprobs", -1)
-        self.seed = self.body.get("seed", None)
-        self.chat_template_kwargs = self.body.get("chat_template_kwargs")
-        self.stop_words = self.body.get("stop")
-        try:
-            self.validate_model_parameters()
-        except ValueError as e:
-            self._set_completion_headers(400)
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": str(e)}).encode())
-            return
-
-        # Get stop sequences
-        stop_words = self.stop_words or []
-        stop_words = [stop_words] if isinstance(stop_words, str) else stop_words
-
-        # Create the completion request
-        try:
-            request = request_factories[self.path]()
-        except Exception as e:
-            self._set_completion_headers(400)
-            self.end_headers()
-            self.wfile.write(json.dumps({"error": str(e)}).encode())
-            return
-        self.handle_completion(request, stop_words)
-
-    def _validate(
-        self,
-        name,
-        expected_type,
-        min_val=None,
-        max_val=None,
-        optional=False,
-        whitelist=None,
-    ):
-        value = getattr(self, name)
-        if optional and value is None:
-            return
-        # JSON's true and false are Python ints
-        if not isinstance(value, expected_type) or (
-            isinstance(value, bool) and expected_type is not bool
-        ):
-            try:
-                allowed = tuple(et.__name__ for et in expected_type)
-            except TypeError:
-                allowed = expected_type.__name__
-            raise ValueError(f"{name} must be of type {allowed}")
-        if whitelist is not None and value in whitelist:
-            return
-        if isinstance(value, float) and not abs(value) < float("inf"):
-            raise ValueError(f"{name} must be a finite number")
-        if min_val is not None and value < min_val:
-            raise ValueError(f"{name} must be at least {min_val}")
-        if max_val is not None and value > max_val:
-            raise ValueError(f"{name} must be at most {max_val}")
-
     def _vocab_size(self):
         """The number of logits of the loaded model, if it is the one requested."""
         provider = self.response_generator.model_provider
@@ -237,70 +78,157 @@ class APIHandler:
             return None
         return getattr(getattr(model, "args", None), "vocab_size", None)
 
-    def validate_model_parameters(self) -> None:
-        """Validate that the passed model parameters have correct types and values."""
-        number = (float, int)
-        self._validate("stream", bool)
-        self._validate("stream_options", dict, optional=True)
-        self._validate("max_tokens", int, min_val=1, max_val=MAX_TOKENS)
-        self._validate("temperature", number, min_val=0)
-        self._validate("top_p", number, min_val=0, max_val=1)
-        self._validate("min_p", number, min_val=0, max_val=1)
-        self._validate("num_draft_tokens", int, min_val=0, max_val=MAX_TOKENS)
-        self._validate("repetition_penalty", number, min_val=0)
-        self._validate("repetition_context_size", int, min_val=0, max_val=MAX_TOKENS)
-        self._validate("presence_penalty", number)
-        self._validate("presence_context_size", int, min_val=0, max_val=MAX_TOKENS)
-        self._validate("frequency_penalty", number)
-        self._validate("frequency_context_size", int, min_val=0, max_val=MAX_TOKENS)
-        self._validate("logprobs", bool)
-        self._validate("top_logprobs", int, min_val=0, max_val=11, whitelist=[-1])
-        self._validate("xtc_probability", number, min_val=0, max_val=1)
-        self._validate("xtc_threshold", number, min_val=0, max_val=0.5)
-        self._validate("requested_model", str)
-        self._validate("adapter", str, optional=True)
-        self._validate("seed", int, optional=True, min_val=0, max_val=2**64 - 1)
-        self._validate("chat_template_kwargs", dict, optional=True)
-        self._validate("logit_bias", dict, optional=True)
 
-        # Bounded by the vocabulary where the model is loaded; otherwise
-        # the generation thread checks the logit bias.
-        vocab_size = self._vocab_size()
-        top_k_max = MAX_TOKENS if vocab_size is None else vocab_size - 1
-        self._validate("top_k", int, min_val=0, max_val=top_k_max)
-        if self.logit_bias is not None:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (ValueError, TypeError) as e:
-                raise ValueError("logit_bias must be a dict of int to float") from e
-            for k, v in self.logit_bias.items():
-                if k < 0 or (vocab_size is not None and k >= vocab_size):
-                    raise ValueError(
-                        f"logit_bias token id {k} is not in [0, {vocab_size})"
-                    )
-                if not abs(v) < float("inf"):
-                    raise ValueError(f"logit_bias of token {k} must be finite")
+# APIHandler.do_POST: a body too large, not UTF-8 or not JSON is a 4xx.
+_DO_POST = """\
+@@ -27,2 +27,4 @@
+         content_length = int(content_length)
++        if content_length < 0:
++            raise ValueError
+     except ValueError:
+@@ -34,2 +36,12 @@
++        return
++    if content_length > MAX_REQUEST_BYTES:
++        self.close_connection = True  # the body is left unread
++        self._set_completion_headers(413)
++        self.end_headers()
++        self.wfile.write(
++            json.dumps(
++                {"error": f"Request body over {MAX_REQUEST_BYTES} bytes"}
++            ).encode()
++        )
+         return
+     raw_body = self.rfile.read(content_length)
+@@ -37,9 +49,11 @@
+         self.body = json.loads(raw_body.decode())
+-    except json.JSONDecodeError as e:
+-        logging.error(f"JSONDecodeError: {e} - Raw body: {raw_body.decode()}")
++    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
++        if isinstance(e, UnicodeDecodeError):
++            error = f"Request body is not UTF-8: {e}"
++        else:
++            error = f"Invalid JSON in request body: {e}"
++        logging.error(f"{error} - Raw body: {raw_body[:1000]!r}")
+         self._set_completion_headers(400)
+         self.end_headers()
+-        self.wfile.write(
+-            json.dumps({"error": f"Invalid JSON in request body: {e}"}).encode()
+-        )
++        self.wfile.write(json.dumps({"error": error}).encode())
+         return
+@@ -92,2 +106,3 @@
+     self.chat_template_kwargs = self.body.get("chat_template_kwargs")
++    self.stop_words = self.body.get("stop")
+     try:
+@@ -101,4 +116,3 @@
+     # Get stop sequences
+-    stop_words = self.body.get("stop")
+-    stop_words = stop_words or []
++    stop_words = self.stop_words or []
+     stop_words = [stop_words] if isinstance(stop_words, str) else stop_words
+"""
 
-        stop = self.stop_words
-        if not (
-            stop is None
-            or isinstance(stop, str)
-            or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-        ):
-            raise ValueError("stop must be a string or a list of strings")
-        if isinstance(stop, list) and "" in stop or stop == "":
-            raise ValueError("stop words must not be empty")
 
-        if self.path == "/v1/completions":
-            prompt = self.body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError("prompt must be a non-empty string")
-        else:
-            messages = self.body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ValueError("messages must be a non-empty list")
-            if not all(isinstance(m, dict) for m in messages):
-                raise ValueError("messages must be a list of objects")
+# APIHandler._validate: every parameter bounded.
+_VALIDATE = """\
+@@ -12,3 +12,6 @@
+         return
+-    if not isinstance(value, expected_type):
++    # JSON's true and false are Python ints
++    if not isinstance(value, expected_type) or (
++        isinstance(value, bool) and expected_type is not bool
++    ):
+         try:
+@@ -20,2 +23,4 @@
+         return
++    if isinstance(value, float) and not abs(value) < float("inf"):
++        raise ValueError(f"{name} must be a finite number")
+     if min_val is not None and value < min_val:
+"""
+
+
+# APIHandler.validate_model_parameters: ids and counts bounded.
+_VALIDATE_MODEL_PARAMETERS = r'''@@ -2,24 +2,31 @@
+     """Validate that the passed model parameters have correct types and values."""
++    number = (float, int)
+     self._validate("stream", bool)
+-    self._validate("max_tokens", int, min_val=1)
+-    self._validate("temperature", (float, int), min_val=0)
+-    self._validate("top_p", (float, int), min_val=0, max_val=1)
+-    self._validate("top_k", int, min_val=0)
+-    self._validate("min_p", (float, int), min_val=0, max_val=1)
+-    self._validate("num_draft_tokens", int, min_val=0)
+-    self._validate("repetition_penalty", (float, int), min_val=0)
+-    self._validate("repetition_context_size", int, min_val=0)
+-    self._validate("presence_penalty", (float, int))
+-    self._validate("presence_context_size", int, min_val=0)
+-    self._validate("frequency_penalty", (float, int))
+-    self._validate("frequency_context_size", int, min_val=0)
++    self._validate("stream_options", dict, optional=True)
++    self._validate("max_tokens", int, min_val=1, max_val=MAX_TOKENS)
++    self._validate("temperature", number, min_val=0)
++    self._validate("top_p", number, min_val=0, max_val=1)
++    self._validate("min_p", number, min_val=0, max_val=1)
++    self._validate("num_draft_tokens", int, min_val=0, max_val=MAX_TOKENS)
++    self._validate("repetition_penalty", number, min_val=0)
++    self._validate("repetition_context_size", int, min_val=0, max_val=MAX_TOKENS)
++    self._validate("presence_penalty", number)
++    self._validate("presence_context_size", int, min_val=0, max_val=MAX_TOKENS)
++    self._validate("frequency_penalty", number)
++    self._validate("frequency_context_size", int, min_val=0, max_val=MAX_TOKENS)
+     self._validate("logprobs", bool)
+     self._validate("top_logprobs", int, min_val=0, max_val=11, whitelist=[-1])
+-    self._validate("xtc_probability", float, min_val=0, max_val=1)
+-    self._validate("xtc_threshold", float, min_val=0, max_val=1)
++    self._validate("xtc_probability", number, min_val=0, max_val=1)
++    self._validate("xtc_threshold", number, min_val=0, max_val=0.5)
+     self._validate("requested_model", str)
+     self._validate("adapter", str, optional=True)
+-    self._validate("seed", int, optional=True)
++    self._validate("seed", int, optional=True, min_val=0, max_val=2**64 - 1)
++    self._validate("chat_template_kwargs", dict, optional=True)
+     self._validate("logit_bias", dict, optional=True)
+ 
++    # Bounded by the vocabulary where the model is loaded; otherwise
++    # the generation thread checks the logit bias.
++    vocab_size = self._vocab_size()
++    top_k_max = MAX_TOKENS if vocab_size is None else vocab_size - 1
++    self._validate("top_k", int, min_val=0, max_val=top_k_max)
+     if self.logit_bias is not None:
+@@ -27,3 +34,31 @@
+             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+-        except ValueError as e:
++        except (ValueError, TypeError) as e:
+             raise ValueError("logit_bias must be a dict of int to float") from e
++        for k, v in self.logit_bias.items():
++            if k < 0 or (vocab_size is not None and k >= vocab_size):
++                raise ValueError(
++                    f"logit_bias token id {k} is not in [0, {vocab_size})"
++                )
++            if not abs(v) < float("inf"):
++                raise ValueError(f"logit_bias of token {k} must be finite")
++
++    stop = self.stop_words
++    if not (
++        stop is None
++        or isinstance(stop, str)
++        or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
++    ):
++        raise ValueError("stop must be a string or a list of strings")
++    if isinstance(stop, list) and "" in stop or stop == "":
++        raise ValueError("stop words must not be empty")
++
++    if self.path == "/v1/completions":
++        prompt = self.body.get("prompt")
++        if not isinstance(prompt, str) or not prompt:
++            raise ValueError("prompt must be a non-empty string")
++    else:
++        messages = self.body.get("messages")
++        if not isinstance(messages, list) or not messages:
++            raise ValueError("messages must be a non-empty list")
++        if not all(isinstance(m, dict) for m in messages):
++            raise ValueError("messages must be a list of objects")
+'''
 
 
 PATCH = Patch(
@@ -313,5 +241,11 @@ PATCH = Patch(
         MAX_REQUEST_BYTES=MAX_REQUEST_BYTES,
         MAX_TOKENS=MAX_TOKENS,
     )
-    + targets("mlx_lm.server:APIHandler", APIHandler),
+    + targets("mlx_lm.server:APIHandler", APIHandler)
+    + edits(
+        "mlx_lm.server:APIHandler",
+        do_POST=_DO_POST,
+        _validate=_VALIDATE,
+        validate_model_parameters=_VALIDATE_MODEL_PARAMETERS,
+    ),
 )

@@ -44,7 +44,6 @@ from .generation import batch_generator_kv_bits, generate_kv_checks, speculative
 from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
 from .prompt_cache import (
     prompt_cache_blocks,
-    prompt_cache_checkpoints,
     prompt_cache_dir,
     prompt_cache_disk,
     prompt_cache_disk_blocks,
@@ -101,7 +100,6 @@ MODULES = (
     speculative_bounded,  # generate.py: --draft-model with bounded caches
     prompt_cache_blocks,  # cache.py: PromptBlocks, shared prefix blocks
     prompt_cache_store,  # cache.py: LRUPromptCache
-    prompt_cache_checkpoints,  # cache.py: ring checkpoints, restored on fetch
     prompt_cache_dir,  # cache.py: PromptCacheDir, a directory servers share
     prompt_cache_disk_blocks,  # cache.py: PromptBlockDir, shared block files
     prompt_cache_disk,  # cache.py: DiskPromptCache
@@ -118,6 +116,7 @@ PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 FOLDERS: Dict[str, str] = {m.PATCH.name: m.__name__.split(".")[1] for m in MODULES}
 _registry.check_disjoint(PATCHES)
 _registry.check_requires(PATCHES)
+_registry.check_needs(PATCHES)
 
 
 def _select(names) -> List[_registry.Patch]:
@@ -165,20 +164,6 @@ def status() -> Dict[str, dict]:
         for p in PATCHES
     }
 
-
-_formatwarning = warnings.formatwarning
-
-
-def _format_warning(message, category, filename, lineno, line=None):
-    """This package's warnings in one line, without the source line Python
-    adds; every other warning as before."""
-    text = str(message)
-    if issubclass(category, PatchDriftWarning) or text.startswith("mlx_lm_patched:"):
-        return f"{category.__name__}: {text}\n"
-    return _formatwarning(message, category, filename, lineno, line)
-
-
-warnings.formatwarning = _format_warning
 
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()

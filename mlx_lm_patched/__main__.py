@@ -1,7 +1,7 @@
 """python -m mlx_lm_patched status | demo-model.
 
 ``status``: which patches are applied, by folder, and drift. ``demo-model``: the path of
-the demo model (``tiny.demo_model_dir``), trained on first use: a model that
+the demo model (``tiny_train.demo_model_dir``), trained on first use: a model that
 needs no download, for the README's quick start."""
 
 import sys
@@ -41,9 +41,9 @@ def status():
 def demo_model():
     """Only the path goes to stdout (training reports on stderr), so that
     ``MODEL=$(python -m mlx_lm_patched demo-model)`` works."""
-    from mlx_lm_patched.demo import tiny
+    from mlx_lm_patched.demo import tiny_train
 
-    print(tiny.demo_model_dir())
+    print(tiny_train.demo_model_dir())
     return 0
 
 

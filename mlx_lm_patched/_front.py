@@ -3,8 +3,9 @@
 import argparse
 import os
 import sys
+import warnings
 
-from mlx_lm_patched import apply
+from mlx_lm_patched import PatchDriftWarning, apply
 
 # Upstream's default --quantized-kv-start (mlx_lm.generate).
 QUANTIZED_KV_START = 5000
@@ -109,11 +110,29 @@ def described(setup_arg_parser, name):
     return ours
 
 
+def one_line(show):
+    """``warnings.showwarning`` that shows this package's warnings in one line,
+    without the source line Python adds (a command's user did not write it),
+    and every other warning with ``show``."""
+
+    def shown(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if issubclass(category, PatchDriftWarning) or text.startswith(
+            "mlx_lm_patched:"
+        ):
+            print(f"{category.__name__}: {text}", file=file or sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    return shown
+
+
 def run(upstream_main, name):
     """Apply the patches, then run ``upstream_main`` as ``mlx_lm_patched.<name>``
     (the program name its help and errors print; its help ``described``); bad
     input (a missing file, a ``ValueError``: a flag, a cache file) ends in one
-    line on stderr and exit status 1, not a traceback."""
+    line on stderr and exit status 1, not a traceback; this package's
+    warnings are one line each (``one_line``)."""
     prog = sys.argv[0] = f"mlx_lm_patched.{name}"
     preflight(prog, sys.argv[1:])
     apply()
@@ -122,7 +141,9 @@ def run(upstream_main, name):
     if setup is not None:  # the server's parser is server_prompt_cache's
         module.setup_arg_parser = described(setup, name)
     try:
-        upstream_main()
+        with warnings.catch_warnings():  # puts showwarning back
+            warnings.showwarning = one_line(warnings.showwarning)
+            upstream_main()
     except ValueError as e:
         sys.exit(f"{prog}: error: {e}")
     except RuntimeError as e:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _merge, _newmods
+from . import _merge, _newmods, _reads
 from ._merge import (
     MergeConflict,
     _global_reads,
@@ -205,8 +205,11 @@ class Patch:
 
     def __post_init__(self):
         for t in self.targets:
+            _modules.add(t.owner.partition(":")[0])
             if ":" not in t.owner and t.fingerprint is None:
                 _adds.setdefault(t.owner, set()).add(t.attr)
+            elif ":" in t.owner and t.fingerprint is None and t.new is not REMOVED:
+                _fields.setdefault(t.attr, set()).add(t.name)
 
     def unbound(self) -> List[str]:
         """The global names its code reads that neither the module it runs
@@ -342,6 +345,9 @@ def edits(owner: str, **diffs: str) -> List[Target]:
 
 # module -> the names patches add to it (upstream has none)
 _adds: Dict[str, set] = {}
+_modules: set = set()  # the upstream modules patches change
+# attribute -> the targets (``Target.name``) that add it to an upstream class
+_fields: Dict[str, set] = {}
 # (owner, attr) -> the upstream object, or _MISSING where upstream had none
 _saved: Dict[Tuple[str, str], Any] = {}
 # (owner, attr) -> the object installed there (ours, or ours merged)
@@ -454,6 +460,14 @@ def check_requires(patches: List[Patch]):
         known |= {patch.name} | {t.name for t in patch.targets}
 
 
+def check_needs(patches: List[Patch]):
+    """Raise if a patch's code reads an object (a global name, a class
+    attribute) that only a later patch provides (``_reads.check_order``)."""
+    _reads.check_order(
+        patches, lambda p: _needs(p.targets) + sorted(_attribute_needs(p.targets))
+    )
+
+
 def _is_helper(t: Target) -> bool:
     """A new module-level object that is not a class: inert until called, it
     stays installed for the patches that use it when its own patch cannot."""
@@ -464,7 +478,7 @@ def _is_helper(t: Target) -> bool:
 
 def _needs(targets: List[Target]) -> List[str]:
     """The objects (``Target.name``) other patches add that ``targets``' code
-    reads."""
+    reads as global names."""
     out = set()
     for t in targets:
         if isinstance(t.new, Edit):
@@ -481,10 +495,25 @@ def _needs(targets: List[Target]) -> List[str]:
     return sorted(out - {t.name for t in targets})
 
 
+def _upstream(owner: str, cls: type) -> Dict[str, Any]:
+    """``cls``'s attributes (its ``vars``) as upstream defines them."""
+    found = {**vars(cls), **{a: v for (o, a), v in _saved.items() if o == owner}}
+    return {a: v for a, v in found.items() if v is not _MISSING}
+
+
+def _attribute_needs(targets: List[Target]) -> set:
+    """The class attributes ``targets``' code reads that other patches add
+    (``_reads.attribute_needs``)."""
+    upstream = _reads.upstream_fields(frozenset(_modules), _upstream)
+    return _reads.attribute_needs(targets, _fields, upstream)
+
+
 def requirements(patch: Patch) -> List[str]:
     """What ``patch`` needs: its ``requires`` (patches or objects, by name)
-    and the objects of other patches its code reads."""
-    return sorted(set(patch.requires) | set(_needs(patch.targets)))
+    and the objects of other patches its code reads (global names and class
+    attributes; its helpers alone read only their arguments' attributes)."""
+    needs = set(_needs(patch.targets)) | _attribute_needs(patch.targets)
+    return sorted(set(patch.requires) | needs)
 
 
 def _is_installed(name: str) -> bool:

@@ -364,9 +364,9 @@ def test_qdecode_e2e_sides_take_turns_and_a_cut_off_keeps_finished_rounds(
     starting from the other end; a run stopped in its second round (here:
     its next request refused) leaves the first round's summary in
     ``<out>.partial`` and no side's process behind."""
-    from mlx_lm_patched.bench import qdecode
+    from mlx_lm_patched.bench import _qdecode_e2e, qdecode
 
-    ask, asked, procs = qdecode._ask, [], set()
+    ask, asked, procs = _qdecode_e2e._ask, [], set()
 
     def refuse_the_second_round(proc, request):
         asked.append((proc.args[proc.args.index("--side") + 1], *request.items()))
@@ -375,7 +375,7 @@ def test_qdecode_e2e_sides_take_turns_and_a_cut_off_keeps_finished_rounds(
             raise RuntimeError("cut off")
         return ask(proc, request)
 
-    monkeypatch.setattr(qdecode, "_ask", refuse_the_second_round)
+    monkeypatch.setattr(_qdecode_e2e, "_ask", refuse_the_second_round)
     tiny = "--parts e2e --sides bf16,q8 --layers 2 --hidden 64 --heads 4 "
     tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96,80 "
     tiny += "--chunk 64 --decode 8 --segment 3 --rounds 3 --device cpu"
@@ -406,20 +406,20 @@ def test_qdecode_e2e_sides_take_turns_and_a_cut_off_keeps_finished_rounds(
 def test_qdecode_e2e_fresh_starts_every_round_in_new_processes(monkeypatch):
     """With ``--fresh`` each round's sides run in processes of their own,
     the last round's ended before the next starts; every round measured."""
-    from mlx_lm_patched.bench import qdecode
+    from mlx_lm_patched.bench import _qdecode_e2e, qdecode
 
-    start, started = qdecode._start_side, []
+    start, started = _qdecode_e2e._start_side, []
 
     def counted(args, side):
         started.append(start(args, side))
         return started[-1]
 
-    monkeypatch.setattr(qdecode, "_start_side", counted)
+    monkeypatch.setattr(_qdecode_e2e, "_start_side", counted)
     tiny = "--parts e2e --sides bf16,q8 --layers 2 --hidden 64 --heads 4 "
     tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96 "
     tiny += "--chunk 64 --decode 8 --rounds 3 --fresh --device cpu"
     counted_per_round = []
-    ask = qdecode._ask
+    ask = _qdecode_e2e._ask
 
     def track(proc, request):
         if "prompt" in request:
@@ -428,7 +428,7 @@ def test_qdecode_e2e_fresh_starts_every_round_in_new_processes(monkeypatch):
             assert sum(p.poll() is None for p in started) == 2
         return ask(proc, request)
 
-    monkeypatch.setattr(qdecode, "_ask", track)
+    monkeypatch.setattr(_qdecode_e2e, "_ask", track)
     sides = qdecode.main(tiny.split())["e2e"]["96"]["sides"]
     assert counted_per_round == [2, 2, 4, 4, 6, 6]
     assert all(p.poll() is not None for p in started)
@@ -443,9 +443,9 @@ def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
 ):
     """A side's process gone (killed here) gives that side an error at every
     length; the other sides are measured and compared without it."""
-    from mlx_lm_patched.bench import qdecode
+    from mlx_lm_patched.bench import _qdecode_e2e, qdecode
 
-    start = qdecode._start_side
+    start = _qdecode_e2e._start_side
 
     def kill_q8(args, side):
         proc = start(args, side)
@@ -453,7 +453,7 @@ def test_qdecode_e2e_a_side_whose_process_dies_is_reported_the_others_run(
             proc.kill()
         return proc
 
-    monkeypatch.setattr(qdecode, "_start_side", kill_q8)
+    monkeypatch.setattr(_qdecode_e2e, "_start_side", kill_q8)
     tiny = "--parts e2e --sides bf16,q8,q4 --layers 2 --hidden 64 --heads 4 "
     tiny += "--kv-heads 2 --intermediate 128 --vocab 100 --prompts 96,80 "
     tiny += "--chunk 64 --decode 8 --rounds 2 --device cpu"

@@ -168,6 +168,17 @@ def test_bounded_run_warns_in_one_line_without_source(tiny_model_dir):
     assert "make_prompt_cache(" not in done.stderr
 
 
+def test_importing_leaves_the_warning_hooks_of_the_process_alone():
+    """Only the fronts show this package's warnings in one line (while they
+    run); importing it changes no process-wide hook."""
+    code = (
+        "import warnings; hooks = warnings.formatwarning, warnings.showwarning; "
+        "import mlx_lm_patched; "
+        "assert (warnings.formatwarning, warnings.showwarning) == hooks"
+    )
+    assert python("-c", code).returncode == 0
+
+
 def test_status_command_prints_a_table():
     done = python("-m", "mlx_lm_patched", "status")
     lines = done.stdout.splitlines()
@@ -299,10 +310,10 @@ QUICK = {**tiny_train.RECIPE, "steps": 2, "batch": 1, "length": 16}
 def test_demo_model_is_trained_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
     monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
-    path = tiny.demo_model_dir()
+    path = tiny_train.demo_model_dir()
     assert path.parent == tmp_path and path.name.startswith("demo-model-")
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert tiny.demo_model_dir() == path
+    assert tiny_train.demo_model_dir() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
@@ -319,7 +330,7 @@ def test_demo_model_command_prints_only_the_trained_models_path(
     for _ in range(2):  # trained, then found
         assert cli.main(["demo-model"]) == 0
         out = capfd.readouterr().out
-        assert out == f"{tiny.demo_model_dir()}\n"
+        assert out == f"{tiny_train.demo_model_dir()}\n"
         assert (tmp_path / out.strip() / "config.json").exists()
     assert cli.main(["demo-modle"]) == 2
 
@@ -330,12 +341,12 @@ def test_a_model_from_another_trainer_is_never_used(tmp_path, monkeypatch):
     the one already there is left as it was."""
     monkeypatch.setenv("MLX_LM_PATCHED_HOME", str(tmp_path))
     monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
-    old = tiny.demo_model_dir()
+    old = tiny_train.demo_model_dir()
     made = (old / "model.safetensors").stat().st_mtime_ns
     stamp = tiny_train.stamp()
     newer = {**stamp, "trainer": "0" * 64}
     monkeypatch.setattr(tiny_train, "stamp", lambda: newer)
-    path = tiny.demo_model_dir()
+    path = tiny_train.demo_model_dir()
     assert path != old and path.parent == tmp_path
     assert json.loads((path / "training.json").read_text()) == newer
     assert json.loads((old / "training.json").read_text()) == stamp
@@ -347,12 +358,12 @@ def test_demo_model_is_retrained_when_its_config_or_recipe_is_stale(
 ):
     monkeypatch.setattr(tiny_train, "RECIPE", QUICK)
     path = tiny.make_model_dir(tmp_path / "demo", "llama")
-    assert tiny.demo_model_dir(path) == path
+    assert tiny_train.demo_model_dir(path) == path
     config = json.loads((path / "config.json").read_text())
     assert config == tiny_train.CONFIG
     monkeypatch.setattr(tiny_train, "RECIPE", {**QUICK, "seed": 1})
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert tiny.demo_model_dir(path) == path
+    assert tiny_train.demo_model_dir(path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns != stamp
 
 

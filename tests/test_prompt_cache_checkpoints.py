@@ -1,4 +1,4 @@
-"""prompt_cache_checkpoints: rings keep copies of their window every
+"""Ring checkpoints: rings keep copies of their window every
 ``checkpoint_every`` tokens of a prefill, and a prompt cache restores the
 nearest one where a wrapped entry cannot be trimmed back to a branch."""
 
@@ -25,18 +25,6 @@ from ringref import data_pointer, free_port, random_kv, same
 H, D = 2, 32
 
 
-@pytest.fixture
-def every(monkeypatch):
-    """``every(n)``: rings (single and batched) checkpoint every ``n`` tokens
-    for the test."""
-
-    def set_every(n):
-        monkeypatch.setattr(RotatingKVCache, "checkpoint_every", n)
-        monkeypatch.setattr(BatchRotatingKVCache, "checkpoint_every", n)
-
-    return set_every
-
-
 def temporal(cache):
     """A ring's live keys and values in temporal order, and its offset."""
     from mlx_lm.models.cache import _live_state
@@ -53,8 +41,9 @@ def feed(cache, k, v, chunks):
     mx.eval(cache.keys, cache.values)
 
 
-def ring(kind, max_size, keep):
-    cache = RotatingKVCache(max_size, keep)
+def ring(kind, max_size, keep, every=0):
+    """A ring (``kind`` "quantized": 8 bits) checkpointing every ``every`` tokens."""
+    cache = RotatingKVCache(max_size, keep, checkpoint_every=every)
     return cache.to_quantized(group_size=32, bits=8) if kind == "quantized" else cache
 
 
@@ -62,13 +51,12 @@ def ring(kind, max_size, keep):
 @pytest.mark.parametrize(
     "keep,chunks", [(0, [200]), (4, [200]), (4, [30, 50, 1, 1, 70, 48]), (0, [45] * 4)]
 )
-def test_a_checkpoint_is_the_ring_fed_only_that_far(every, kind, keep, chunks):
+def test_a_checkpoint_is_the_ring_fed_only_that_far(kind, keep, chunks):
     """Each checkpoint holds, bit for bit, what a ring fed only the tokens up
     to its position holds, whatever the chunks."""
-    every(32)
     mx.random.seed(0)
     k, v = random_kv(1, H, sum(chunks), D)
-    cache = ring(kind, 40, keep)
+    cache = ring(kind, 40, keep, every=32)
     feed(cache, k, v, chunks)
     assert cache.checkpoints, "no checkpoint taken"
     for c in cache.checkpoints:
@@ -78,40 +66,40 @@ def test_a_checkpoint_is_the_ring_fed_only_that_far(every, kind, keep, chunks):
         assert same(temporal(c), temporal(alone))
 
 
-def test_no_checkpoints_by_default_and_at_most_max_checkpoints(every):
+def test_no_checkpoints_by_default_and_at_most_max_checkpoints():
     mx.random.seed(0)
     k, v = random_kv(1, H, 1000, D)
     cache = RotatingKVCache(64)
     feed(cache, k, v, [100] * 10)
     assert cache.checkpoints == ()
-    every(50)
-    cache = RotatingKVCache(64)
+    cache = RotatingKVCache(64, checkpoint_every=50)
     feed(cache, k, v, [100] * 10)
     assert [c.offset for c in cache.checkpoints] == [850, 900, 950, 1000]
+    cache = RotatingKVCache(64, checkpoint_every=50, max_checkpoints=2)
+    feed(cache, k, v, [100] * 10)
+    assert [c.offset for c in cache.checkpoints] == [950, 1000]
 
 
-def test_checkpoints_count_in_nbytes_and_a_trim_drops_those_past_the_end(every):
-    every(16)
+def test_checkpoints_count_in_nbytes_and_a_trim_drops_those_past_the_end():
     mx.random.seed(0)
     k, v = random_kv(1, H, 70, D)
-    cache = RotatingKVCache(64)
+    cache = RotatingKVCache(64, checkpoint_every=16)
     feed(cache, k, v, [20, 50])
     assert [c.offset for c in cache.checkpoints] == [32, 48, 64]
     window = 2 * H * D * 4  # keys and values, float32, a token
     assert cache.nbytes == window * (64 + 32 + 48 + 64)
-    cache = RotatingKVCache(64, slack=10)
+    cache = RotatingKVCache(64, slack=10, checkpoint_every=16)
     feed(cache, k, v, [20, 50])
     assert cache.trim(10) == 10
     assert [c.offset for c in cache.checkpoints] == [32, 48]
 
 
-def test_decode_still_writes_the_ring_in_place(every):
+def test_decode_still_writes_the_ring_in_place():
     """A checkpoint is a copy: the ring it was cut from is still written in
     place by decode steps."""
-    every(16)
     mx.random.seed(0)
     k, v = random_kv(1, H, 100, D)
-    cache = RotatingKVCache(64)
+    cache = RotatingKVCache(64, checkpoint_every=16)
     feed(cache, k, v, [100])
     assert cache.checkpoints
     pointers = set()
@@ -123,15 +111,14 @@ def test_decode_still_writes_the_ring_in_place(every):
 
 
 @pytest.mark.parametrize("quantized,keep", [(False, 0), (False, 4), (True, 0)])
-def test_batch_rows_take_out_their_own_checkpoints(every, quantized, keep):
+def test_batch_rows_take_out_their_own_checkpoints(quantized, keep):
     """``extract`` gives each row the checkpoints of its own tokens: what a
     single ring fed that row up to the position holds; ``filter`` keeps
     them with their rows."""
-    every(32)
     mx.random.seed(0)
     pad = [0, 30, 0]  # rows of 150, 120 and 150 real tokens
     ks, vs = random_kv(3, H, 150, D)
-    cache = BatchRotatingKVCache(48, pad, keep)
+    cache = BatchRotatingKVCache(48, pad, keep, checkpoint_every=32)
     if quantized:
         cache = cache.to_quantized(group_size=32, bits=8)
     feed(cache, ks, vs, [40, 60, 50])
@@ -148,17 +135,15 @@ def test_batch_rows_take_out_their_own_checkpoints(every, quantized, keep):
             assert same(temporal(c), temporal(alone))
 
 
-def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
+def test_rows_keep_their_checkpoints_when_others_join():
     """A row joining a batch mid-prefill (``extend``) takes checkpoints from
     then on; the rows already there keep theirs: each the single ring fed
     that row up to the position."""
-    every(32)
-    monkeypatch.setattr(BatchRotatingKVCache, "max_checkpoints", 8)
     mx.random.seed(0)
     ks, vs = random_kv(3, H, 200, D)
-    cache = BatchRotatingKVCache(48, [0, 0])
+    cache = BatchRotatingKVCache(48, [0, 0], checkpoint_every=32, max_checkpoints=8)
     feed(cache, ks[:2], vs[:2], [70])
-    joining = BatchRotatingKVCache(48, [0])
+    joining = BatchRotatingKVCache(48, [0], checkpoint_every=32, max_checkpoints=8)
     cache.extend(joining)  # its tokens: ks[2] from column 70 on
     feed(cache, ks[:, :, 70:], vs[:, :, 70:], [60, 70])
     for b, start in ((0, 0), (1, 0), (2, 70)):
@@ -171,16 +156,15 @@ def test_rows_keep_their_checkpoints_when_others_join(every, monkeypatch):
             assert same(temporal(c), temporal(alone))
 
 
-def test_right_padded_rows_keep_checkpoints_within_their_tokens(every):
+def test_right_padded_rows_keep_checkpoints_within_their_tokens():
     """Rows of 150, 100 and 130 tokens prefilled together (right padding,
     as ``BatchGenerator`` pads a chunk): each row's checkpoints are the
     multiples of 32 within its own tokens, each the single ring fed that
     row that far."""
-    every(32)
     mx.random.seed(0)
     lengths = [150, 100, 130]
     ks, vs = random_kv(3, H, 150, D)
-    cache = BatchRotatingKVCache(48, [0, 0, 0])
+    cache = BatchRotatingKVCache(48, [0, 0, 0], checkpoint_every=32)
     cache.prepare(lengths=lengths, right_padding=[150 - n for n in lengths])
     feed(cache, ks, vs, [60, 60, 30])
     cache.finalize()
@@ -207,22 +191,21 @@ def prefill(model, tokens, cache, step=512):
     return logits
 
 
-def branch(model, step):
-    """A 1,500-token prompt cached, then one sharing its first 1,200 tokens:
-    the tokens left to prefill, and the logits after prefilling them."""
-    cache = make_prompt_cache(model)
+def branch(model, step, every=0):
+    """A 1,500-token prompt cached (rings checkpointing every ``every``
+    tokens), then one sharing its first 1,200 tokens: the tokens left to
+    prefill, and the logits after prefilling them."""
+    cache = make_prompt_cache(model, checkpoint_every=every)
     prefill(model, FIRST, cache, step)
     store = LRUPromptCache()
     store.insert_cache("m", FIRST, cache)
     fetched, rest = store.fetch_nearest_cache("m", SECOND)
-    fetched = fetched or make_prompt_cache(model)
+    fetched = fetched or make_prompt_cache(model, checkpoint_every=every)
     return len(rest), prefill(model, rest, fetched), store
 
 
 @pytest.mark.parametrize("step", [512, 2048])
-def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
-    load_tiny, every, step
-):
+def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(load_tiny, step):
     """gemma3_text, window 256: without checkpoints all 1,240 tokens are
     prefilled again; with a checkpoint every 512 tokens, the 216 past the
     one at 1,024, and the logits are a fresh prefill's (within 1e-5)."""
@@ -230,22 +213,18 @@ def test_a_branch_past_the_window_prefills_from_the_nearest_checkpoint(
     fresh = prefill(model, SECOND, make_prompt_cache(model))
     left, _, _ = branch(model, step)
     assert left == len(SECOND) == 1240
-    every(512)
-    left, logits, store = branch(model, step)
+    left, logits, store = branch(model, step, every=512)
     assert left == 1240 - 1024
     assert mx.allclose(logits, fresh, atol=1e-5, rtol=0).item()
 
 
-def test_a_cache_restored_from_a_checkpoint_keeps_it_for_the_next_branch(
-    load_tiny, every
-):
+def test_a_cache_restored_from_a_checkpoint_keeps_it_for_the_next_branch(load_tiny):
     """Branching twice from one point (an edit regenerated, then edited
     again): the cache restored from the checkpoint at 1,024 keeps it, so
     the entry it makes serves the next branch from there too, with a fresh
     prefill's logits."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
-    _, _, store = branch(model, 512)
+    _, _, store = branch(model, 512, every=512)
     fetched, rest = store.fetch_nearest_cache("m", SECOND)
     prefill(model, rest, fetched)
     again = LRUPromptCache()  # only the branch's entry
@@ -273,7 +252,7 @@ def first_logprobs(model, prompts, caches=None, **kwargs):
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_a_batch_row_branches_from_its_checkpoint_with_fresh_logprobs(
-    load_tiny, every, kv_bits
+    load_tiny, kv_bits
 ):
     """As the server does it: the first prompt prefilled in a batch (300-token
     chunks, beside a shorter prompt), its row's cache stored; the branch is
@@ -281,11 +260,11 @@ def test_a_batch_row_branches_from_its_checkpoint_with_fresh_logprobs(
     log-probabilities are a fresh batch prefill's (within 1e-5), also with
     quantized rings."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
     kwargs = {"kv_bits": kv_bits, "kv_group_size": 32, "quantized_kv_start": 0}
     kwargs = kwargs if kv_bits else {}
     other = [(5 * j + 1) % 400 + 10 for j in range(700)]
-    done = first_logprobs(model, [FIRST, other], **kwargs)
+    rows = [make_prompt_cache(model, checkpoint_every=512) for _ in range(2)]
+    done = first_logprobs(model, [FIRST, other], rows, **kwargs)
     store = LRUPromptCache()
     store.insert_cache("m", done.all_tokens, done.prompt_cache)
     fetched, rest = store.fetch_nearest_cache("m", SECOND)
@@ -295,10 +274,9 @@ def test_a_batch_row_branches_from_its_checkpoint_with_fresh_logprobs(
     assert mx.allclose(got, want, atol=1e-5, rtol=0).item()
 
 
-def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny, every):
+def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny):
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, checkpoint_every=512)
     prefill(model, FIRST, cache)
     rings = [c for c in cache if isinstance(c, RotatingKVCache)]
     taken = [c.checkpoints for c in rings]
@@ -372,14 +350,13 @@ def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
     assert totals[-1] == str(left)
 
 
-def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny, every):
+def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny):
     """``LRUPromptCache(bits=8)`` quantizes the rings' checkpoints with them
     (fewer bytes than the model's dtype) and still branches from the one at
     1,024: the logits are, bit for bit, those of an entry of the first 1,024
     tokens at rest, whose rings hold the same tokens quantized alike."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, checkpoint_every=512)
     prefill(model, FIRST, cache)
     store = LRUPromptCache(bits=8)
     store.insert_cache("m", FIRST, cache)
@@ -401,10 +378,11 @@ def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny, every
 
 
 def single_rows(kind, lengths, ks, vs, max_size=48):
-    """Rings fed ``lengths`` tokens of the rows of ``ks``/``vs`` in chunks of 64."""
+    """Rings checkpointing every 32 tokens, fed ``lengths`` tokens of the rows
+    of ``ks``/``vs`` in chunks of 64."""
     rows = []
     for b, n in enumerate(lengths):
-        r = ring(kind, max_size, 0)
+        r = ring(kind, max_size, 0, every=32)
         feed(
             r, ks[b : b + 1], vs[b : b + 1], [64] * (n // 64) + [n % 64] * (n % 64 > 0)
         )
@@ -422,13 +400,12 @@ def check_row(kind, row, k, v, max_size=48):
 
 
 @pytest.mark.parametrize("kind", ["ring", "quantized"])
-def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(every, kind):
+def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(kind):
     """Rings merged into a batch (as a server batches fetched caches) get
     their checkpoints back from ``extract``, with those the batch took
     since: the newest ``max_checkpoints``, each the single ring fed that
     row that far. ``filter`` keeps them with their rows, ``nbytes`` counts
     them."""
-    every(32)
     mx.random.seed(0)
     lengths = [150, 100, 0]
     ks, vs = random_kv(3, H, 300, D)
@@ -454,11 +431,10 @@ def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(every, kind):
 
 
 @pytest.mark.parametrize("kind", ["ring", "quantized"])
-def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
+def test_batches_joined_or_quantized_lose_no_rows_checkpoints(kind):
     """``extend`` (a batch joining another, as ``BatchGenerator`` joins new
     prompts) and ``to_quantized`` (``--kv-bits`` past its start) keep every
     row's checkpoints, those it brought and those its batch took."""
-    every(32)
     mx.random.seed(0)
     ks, vs = random_kv(4, H, 300, D)
     first = single_rows(kind, [150, 100], ks, vs)
@@ -468,7 +444,7 @@ def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
         for x in (ks, vs)
     )
     first.update_and_fetch(k, v)
-    second = BatchRotatingKVCache(48, [0, 0])
+    second = BatchRotatingKVCache(48, [0, 0], checkpoint_every=32)
     if kind == "quantized":
         second = second.to_quantized(group_size=32, bits=8)
     feed(second, ks[2:], vs[2:], [64, 36])
@@ -490,12 +466,13 @@ def test_batches_joined_or_quantized_lose_no_rows_checkpoints(every, kind):
         assert all(hasattr(c, "bits") for r in got for c in r)
 
 
-def on_disk(model, directory):
-    """The cache of ``FIRST`` (checkpoints at 512 and 1,024), written by a
-    disk tier in ``directory``, closed; the cache and the file's path."""
+def on_disk(model, directory, every=512):
+    """The cache of ``FIRST`` (checkpoints every ``every`` tokens: at 512 and
+    1,024), written by a disk tier in ``directory``, closed; the cache and
+    the file's path."""
     from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, checkpoint_every=every)
     prefill(model, FIRST, cache)
     tier = DiskPromptCache(str(directory))
     tier.put("m", FIRST, cache)
@@ -505,7 +482,7 @@ def on_disk(model, directory):
 
 
 def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
-    load_tiny, every, tmp_path
+    load_tiny, tmp_path
 ):
     """A disk tier writes the rings' checkpoints in the entry's file: read
     back by another tier on the directory (a restarted server), the branch
@@ -515,7 +492,6 @@ def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
     from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
     cache, _ = on_disk(model, tmp_path)
     fresh = prefill(model, SECOND, make_prompt_cache(model))
     tier = DiskPromptCache(str(tmp_path))
@@ -534,14 +510,14 @@ def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
         assert all(same(temporal(a), temporal(b)) for a, b in pairs)
 
 
-def test_an_entry_written_without_checkpoints_still_loads(load_tiny, every, tmp_path):
+def test_an_entry_written_without_checkpoints_still_loads(load_tiny, tmp_path):
     """A file as the disk tier wrote it before checkpoints were kept (no
     ``ring_checkpoints`` in its header) is served as before: the whole
     prompt, and no branch past the window."""
     from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    _, path = on_disk(model, tmp_path)
+    _, path = on_disk(model, tmp_path, every=0)
     assert "0.ring_checkpoints" not in read_header(path)[0]["__metadata__"]
     tier = DiskPromptCache(str(tmp_path))
     assert tier.get("m", FIRST + [5])[1] == [5]
@@ -572,7 +548,7 @@ def given_to_full_attention(header, layers):
 
 @pytest.mark.parametrize("edit", [swap_positions, given_to_full_attention, None])
 def test_a_tampered_checkpoint_is_a_miss_never_a_wrong_cache(
-    load_tiny, every, tmp_path, caplog, edit
+    load_tiny, tmp_path, caplog, edit
 ):
     """A file whose checkpoints were edited, its header resealed (manifest
     recomputed: a crafted file), or one of whose checkpoint bytes flipped
@@ -581,7 +557,6 @@ def test_a_tampered_checkpoint_is_a_miss_never_a_wrong_cache(
     from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    every(512)
     cache, path = on_disk(model, tmp_path)
     header, body = read_header(path)
     if edit is None:  # a byte of the last array, a checkpoint's

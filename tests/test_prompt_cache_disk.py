@@ -32,10 +32,11 @@ KINDS = {
 }
 
 
-def prefilled(model, tokens, kv_bits=None):
+def prefilled(model, tokens, kv_bits=None, slack=0):
+    """``model``'s cache (rings with ``slack``: patched) after ``tokens``."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, slack=slack) if slack else make_prompt_cache(model)
     model(mx.array(tokens)[None], cache=cache)
     if kv_bits:
         cache = [c.to_quantized(group_size=64, bits=kv_bits) for c in cache]
@@ -280,7 +281,7 @@ def test_evicted_entries_are_read_back_where_upstream_has_none(load_tiny, tmp_pa
 
 @pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
 def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
-    bits, most, load_tiny, tmp_path, monkeypatch
+    bits, most, load_tiny, tmp_path
 ):
     """With ``bits``, an evicted entry is written as it rests in memory
     (quantized triples; sliding layers as quantized rings with their slack),
@@ -290,22 +291,23 @@ def test_the_disk_tier_keeps_entries_as_quantized_at_rest(
     from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache
     from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
 
-    monkeypatch.setattr(RotatingKVCache, "slack", 8)  # as the server's rings
     model, _ = load_tiny("gemma3_text", dtype="bfloat16", head_dim=64)
     first, second = PROMPT[:300], PROMPT[300:]
     stored = {}
     for name, at_rest in (("bf16", {}), ("quantized", {"bits": bits})):
         tier = disk(tmp_path / name)
         lru = DiskLRUPromptCache(tier, max_size=1, **at_rest)
-        lru.insert_cache(MODEL, first, prefilled(model, first))
-        lru.insert_cache(MODEL, second, prefilled(model, second))  # evicts first
+        lru.insert_cache(MODEL, first, prefilled(model, first, slack=8))
+        lru.insert_cache(
+            MODEL, second, prefilled(model, second, slack=8)
+        )  # evicts first
         tier.flush()
         # Written behind, both are on disk: the evicted one is first's (its
         # shared layers' blocks in block files, read with it).
         stored[name] = tier._load(tier._name(tier._model_key(MODEL), first))
         if at_rest:
             ram = LRUPromptCache(bits=bits)
-            ram.insert_cache(MODEL, first, prefilled(model, first))
+            ram.insert_cache(MODEL, first, prefilled(model, first, slack=8))
             for prompt in (first + EXTRA, first[:297] + EXTRA):
                 got, rest = lru.fetch_nearest_cache(MODEL, prompt)
                 want, _ = ram.fetch_nearest_cache(MODEL, prompt)

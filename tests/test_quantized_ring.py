@@ -193,19 +193,16 @@ def test_a_quantized_ring_steps_back_within_its_slack_as_the_fp_ring(patched, bi
             q.trim(beyond)
 
 
-def test_trimmed_quantized_rings_give_the_logits_of_a_fresh_cache(
-    patched, load_tiny, monkeypatch
-):
+def test_trimmed_quantized_rings_give_the_logits_of_a_fresh_cache(patched, load_tiny):
     # gemma3_text: sliding layers of 64 (quantized rings) and full ones.
     # Cache A decodes 12 tokens past the wrap and trims 6 of them back
     # (within the slack of 8); cache B is built afresh the same way without
     # them. The next token's logits agree (float32 model: 1e-5).
-    monkeypatch.setattr(RotatingKVCache, "slack", 8)
     model, _ = load_tiny("gemma3_text")
     prompt, decoded, last = list(range(3, 103)), list(range(200, 212)), 7
 
     def cache_after(tokens):
-        cache = make_prompt_cache(model)
+        cache = cache_module.make_prompt_cache(model, slack=8)
         model(mx.array([prompt]), cache=cache)
         maybe_quantize_kv_cache(cache, 0, 64, 4)
         for t in tokens:

@@ -21,6 +21,7 @@ from mlx_lm_patched import (
     PatchDriftWarning,
     _merge,
     _newmods,
+    _reads,
     _registry,
 )
 from mlx_lm_patched.caches import rotating_prealloc
@@ -392,6 +393,70 @@ def test_another_installed_version_with_changed_sources_is_named_in_the_error(
         PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
     ):
         _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
+
+
+class ReadsProbe:
+    """Test-only: reads an attribute only the probe patch adds."""
+
+    def reads_probe(self):
+        return self.added_by_probe()
+
+
+def test_an_attribute_only_another_patch_adds_is_a_need(probe):
+    reader = _registry.Patch(
+        "test_attr_reader",
+        "test only",
+        _registry.class_patch(OWNER, ReadsProbe, {"reads_probe": None}),
+    )
+    assert f"{OWNER}.added_by_probe" in _registry.requirements(reader)
+    _registry.check_needs([probe, reader])
+    with pytest.raises(ValueError, match="added_by_probe.*of later patches"):
+        _registry.check_needs([reader, probe])
+    # Alone it is set aside; reverting what it reads takes it along.
+    with pytest.warns(PatchDriftWarning, match="added_by_probe, which is not"):
+        assert _registry.apply_patches([reader]) == list(_registry._applied)
+    assert "reads_probe" not in ChunkedKVCache.__dict__
+    _registry.apply_patches([probe, reader])
+    try:
+        assert _registry.revert_patches([probe]) == ["test_probe", "test_attr_reader"]
+    finally:
+        _registry.revert_patches([reader])
+    assert "reads_probe" not in ChunkedKVCache.__dict__
+
+
+def test_attributes_off_the_bytecode_are_what_dis_says():
+    """``_reads.attributes`` reads attribute loads and stores off
+    ``co_code``; for every patched function it must equal ``dis``'s answer."""
+    import dis
+    import types
+
+    def reference(code):
+        reads, sets = set(), set()
+        for i in dis.get_instructions(code):
+            if i.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"):
+                reads.add(i.argval)
+            elif i.opname == "STORE_ATTR":
+                sets.add(i.argval)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                more = reference(const)
+                reads |= more[0]
+                sets |= more[1]
+        return reads, sets
+
+    codes = [
+        fn.__code__
+        for p in mlx_lm_patched.PATCHES
+        for t in p.targets
+        for fn in _merge.functions(t.new)
+    ]
+    for code in codes:
+        assert _reads.attributes(code) == reference(code), code.co_qualname
+
+
+def test_no_patch_reads_what_a_later_patch_adds():
+    """Every patch's needs, attributes included, come before it."""
+    _registry.check_needs(mlx_lm_patched.PATCHES)
 
 
 def test_global_reads_off_the_bytecode_are_what_dis_says():

@@ -7,44 +7,11 @@ test_server_requests.py); these requests bypass it, as one for a model still
 loading does, and reach the real generation thread of a real tiny model.
 """
 
-import argparse
 import logging
 import threading
 
 import pytest
-
-
-def cli_args(model):
-    return argparse.Namespace(
-        model=str(model), adapter_path=None, draft_model=None,
-        trust_remote_code=False, chat_template="", use_default_chat_template=False,
-        pipeline=False, num_draft_tokens=3, decode_concurrency=32,
-        prompt_concurrency=8, prefill_step_size=2048, kv_bits=None,
-        kv_group_size=64, quantized_kv_start=0, prompt_cache_bytes=None,
-        chat_template_args={}, max_tokens=512,
-    )  # fmt: skip
-
-
-def generation_args(max_tokens, temperature=0.0, top_k=0, logit_bias=None):
-    from mlx_lm.server import (
-        GenerationArguments,
-        LogitsProcessorArguments,
-        ModelDescription,
-        SamplingArguments,
-    )
-
-    return GenerationArguments(
-        model=ModelDescription("default_model", "default_model", None),
-        sampling=SamplingArguments(temperature, 1.0, top_k, 0.0, 0.0, 0.1),
-        logits=LogitsProcessorArguments(logit_bias, 0.0, 20, 0.0, 20, 0.0, 20),
-        stop_words=[],
-        max_tokens=max_tokens,
-        num_draft_tokens=3,
-        logprobs=False,
-        top_logprobs=-1,
-        seed=None,
-        chat_template_kwargs=None,
-    )
+from ringref import cli_args, generation_args
 
 
 @pytest.fixture

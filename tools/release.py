@@ -137,7 +137,8 @@ def merge_onto(
         helpers = Patch(
             patch.name, "", [t for t in patch.targets if _registry._is_helper(t)]
         )
-        if helpers.targets and not set(_registry.requirements(helpers)) & aside:
+        # Alone, they need only the global names they read (``_needs``).
+        if helpers.targets and not set(_registry._needs(helpers.targets)) & aside:
             try:
                 files = apply_to_sources(files, helpers, tree)
                 aside -= {t.name for t in helpers.targets}

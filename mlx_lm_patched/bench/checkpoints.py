@@ -23,12 +23,7 @@ import tempfile
 import time
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    BatchRotatingKVCache,
-    LRUPromptCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 import mlx_lm_patched
@@ -37,8 +32,10 @@ from mlx_lm_patched.demo import tiny
 from . import emit, header, parse_args
 
 
-def every(n):
-    RotatingKVCache.checkpoint_every = BatchRotatingKVCache.checkpoint_every = n
+def rings(every):
+    """``make_prompt_cache``'s arguments for rings checkpointing every
+    ``every`` tokens (none: upstream's, which has no such argument)."""
+    return {"checkpoint_every": every} if every else {}
 
 
 def prefill(model, tokens, cache, step):
@@ -50,34 +47,34 @@ def prefill(model, tokens, cache, step):
     return logits
 
 
-def branch(model, first, second, step):
-    """Tokens left to prefill of ``second`` after ``first`` is cached, the
-    logits' distance from a fresh prefill, the checkpoints' bytes."""
+def branch(model, first, second, step, every=0):
+    """Tokens left to prefill of ``second`` after ``first`` is cached (rings
+    checkpointing every ``every`` tokens), the logits' distance from a fresh
+    prefill, the checkpoints' bytes."""
     from mlx_lm.models.cache import make_prompt_cache  # patched or not
 
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, **rings(every))
     prefill(model, first, cache, step)
     taken = sum(x.nbytes for c in cache for x in getattr(c, "checkpoints", ()))
     store = LRUPromptCache()
     store.insert_cache("m", first, cache)
     fetched, rest = store.fetch_nearest_cache("m", second)
-    logits = prefill(model, rest, fetched or make_prompt_cache(model), step)
+    fetched = fetched or make_prompt_cache(model, **rings(every))
+    logits = prefill(model, rest, fetched, step)
     fresh = prefill(model, second, make_prompt_cache(model), step)
     diff = mx.abs(logits - fresh).max().item()
     return {"left_to_prefill": len(rest), "max_abs_logit_diff": diff, "bytes": taken}
 
 
 def timed(run, sides, rounds):
-    """Median seconds of each side's ``run``, the sides taking turns."""
+    """Median seconds of each side's ``run(its stride)``, the sides taking turns."""
     times = {n: [] for n in sides}
     for r in range(rounds + 1):  # round 0 warms up
         for n, stride in sides.items():
-            every(stride)
             tic = time.perf_counter()
-            run()
+            run(stride)
             if r:
                 times[n].append(time.perf_counter() - tic)
-    every(0)
     return {n: round(statistics.median(t), 4) for n, t in times.items()}
 
 
@@ -108,39 +105,41 @@ def main(argv=None):
     result["upstream"] = branch(model, first, second, args.step)
     mlx_lm_patched.apply()
     for name, stride in sides.items():
-        every(stride)
-        result[name] = branch(model, first, second, args.step)
-    every(0)
+        result[name] = branch(model, first, second, args.step, stride)
 
-    def tiny_prefill():
-        prefill(model, first, make_prompt_cache(model), args.step)
+    def tiny_prefill(stride):
+        prefill(model, first, make_prompt_cache(model, **rings(stride)), args.step)
 
     result["tiny_prefill_s"] = timed(tiny_prefill, sides, args.rounds)
     chunk = mx.random.normal((1, 8, 2048, 128)).astype(mx.float16)
 
-    def stack_prefill():
-        rings = [RotatingKVCache(args.ring) for _ in range(args.layers)]
+    def stack_prefill(stride):
+        stack = [
+            RotatingKVCache(args.ring, checkpoint_every=stride)
+            for _ in range(args.layers)
+        ]
         for _ in range(args.tokens // 2048):
-            for c in rings:
+            for c in stack:
                 c.update_and_fetch(chunk, chunk)
-            mx.eval([c.keys for c in rings])
-        result["stack_checkpoint_bytes"] = sum(c.nbytes for c in rings) - sum(
-            c.keys.nbytes + c.values.nbytes for c in rings
+            mx.eval([c.keys for c in stack])
+        result["stack_checkpoint_bytes"] = sum(c.nbytes for c in stack) - sum(
+            c.keys.nbytes + c.values.nbytes for c in stack
         )
 
     result["stack_prefill_s"] = timed(stack_prefill, sides, args.rounds)
-    every(args.every)
-    rings = [RotatingKVCache(args.ring) for _ in range(args.layers)]
+    stack = [
+        RotatingKVCache(args.ring, checkpoint_every=args.every)
+        for _ in range(args.layers)
+    ]
     for _ in range(args.tokens // 2048):
-        for c in rings:
+        for c in stack:
             c.update_and_fetch(chunk, chunk)
-    mx.eval([c.keys for c in rings])
-    every(0)
+    mx.eval([c.keys for c in stack])
     # The stack's checkpoints in an entry at rest: as they are, and quantized
     tokens = list(range(args.tokens))
     for bits in (None, 8, 4):
         store = LRUPromptCache(bits=bits)
-        store.insert_cache("m", tokens, rings)
+        store.insert_cache("m", tokens, stack)
         entry = store._trie.get("m", tokens).prompt_cache
         held = sum(x.nbytes for c in entry for x in c.checkpoints)
         result[f"stack_checkpoint_bytes_at_rest_{bits or 16}_bits"] = held

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.utils import load
 from tqdm import tqdm
 
-from mlx_lm_patched.demo import tiny, tiny_train
+from mlx_lm_patched.demo import tiny_train
 
 
 def sequences(tokenizer, count, length):
@@ -128,7 +128,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore", "mlx_lm_patched: max_kv_size")  # the rows say
-    path = str(args.model or tiny.demo_model_dir())
+    path = str(args.model or tiny_train.demo_model_dir())
     model, tokenizer = load(path)
     model.set_dtype(mx.bfloat16)
     seqs = sequences(tokenizer, args.sequences, args.length)

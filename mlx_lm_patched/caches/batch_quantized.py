@@ -25,7 +25,7 @@ from .._registry import Patch, cache_class, edits, targets
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache, dynamic_roll
 
-    from .quantized_cache import _check_quantized, _kv_quant_layout
+    from .quantized_layout import _check_quantized, _kv_quant_layout
     from .quantized_ring import QuantizedRotatingKVCache, _quantize_update
     from .rotating_prealloc import _pipeline, _put
 
@@ -344,8 +344,9 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
 
     def extract(self, idx):
         row = BatchRotatingKVCache.extract(self, idx)
+        knobs = row.slack, row.checkpoint_every, row.max_checkpoints
         cache = QuantizedRotatingKVCache(
-            self.max_size, self.keep, self.group_size, self.bits, row.slack
+            self.max_size, self.keep, self.group_size, self.bits, *knobs
         )
         cache.offset, cache._lo, cache._hi = row.offset, row._lo, row._hi
         cache.checkpoints = row.checkpoints
@@ -368,7 +369,9 @@ class BatchQuantizedRotatingKVCache(BatchRotatingKVCache):
         # Each row as a RotatingKVCache of packed tokens, merged as those are.
         rows = []
         for c in caches:
-            row = RotatingKVCache(c.max_size, c.keep, c.slack)
+            row = RotatingKVCache(
+                c.max_size, c.keep, c.slack, c.checkpoint_every, c.max_checkpoints
+            )
             if c.keys is not None:
                 row.keys, row.values = cls._pack(c, c.keys), cls._pack(c, c.values)
             row.offset, row._idx, row.checkpoints = c.offset, c._idx, c.checkpoints
@@ -401,6 +404,8 @@ class _BatchRotatingKVCache:
         cache = BatchQuantizedRotatingKVCache(
             self.max_size, [0] * B, self.keep, group_size, bits
         )
+        cache.checkpoint_every = self.checkpoint_every
+        cache.max_checkpoints = self.max_checkpoints
         # New arrays: ``-=`` on a shared one would move both caches.
         cache.left_padding = mx.array(self.left_padding)
         cache.offset = mx.array(self.offset)

@@ -12,20 +12,18 @@ Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)`` does
 (upstream's batch cache has no ``keep``). With ``keep=0`` the saved state is
 upstream's eight items, which plain mlx-lm loads; ``keep`` is a ninth item only
 when it is not 0. Once every row holds ``keep`` tokens (counted on the host, no
-sync) updates skip the sinks: their dozen small ops a layer made a
-BatchGenerator decode step 2.0x upstream's on an H100 (27.8 vs 13.6 ms, Llama-8B
-shape, 4 rows, ring 2048; 12.5 ms without them), and writing them never reads
-the ring, which would make MLX copy it.
+sync) updates skip the sinks (docs/benchmarks.md: their small ops doubled a
+decode step), and writing them never reads the ring, which would make MLX copy it.
 
 Also fixed: a multi-token update after decode has wrapped gets a mask that
 accounts for the column it drops (upstream's hid a left-padded row's oldest
 token), a loaded cache can be updated (upstream: ``AttributeError: _lengths``),
 and ``trim`` rejects negative counts and never makes a row's offset negative.
 
-A batch with a ``slack`` keeps an undo ring over its columns while it decodes,
-as ``RotatingKVCache(slack=n)`` does (``_hold``); right padding and ``trim``
-reset it and it fills again over the next decode steps. Rows bring their slack
-and take their evicted tokens back out through ``batch_rotating_rows``.
+A batch with a ``slack`` keeps an undo ring over its columns while it decodes
+(``_hold``), reset by right padding and ``trim``; rows bring their slack and
+take their evicted tokens back out (``batch_rotating_rows``). A batch takes
+window checkpoints as rings do (``ring_checkpoints``).
 """
 
 from typing import TYPE_CHECKING, List, Optional
@@ -33,6 +31,7 @@ from typing import TYPE_CHECKING, List, Optional
 import mlx.core as mx
 
 from .._registry import Patch, targets
+from . import ring_checkpoints, ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from .rotating_prealloc import (
@@ -41,7 +40,6 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _pipeline,
         _put,
         _sinks_and_newest,
-        _stored,
     )
 
 
@@ -60,10 +58,24 @@ class BatchRotatingKVCache:
     # window, masked: attention reads them from the sinks. ``_fewest``: at
     # most the fewest real tokens of any row, known without a sync; once it
     # reaches ``keep`` every row's sinks are full and updates skip them.
-    checkpoint_every = 0  # as RotatingKVCache's: see prompt_cache_checkpoints
+    # As RotatingKVCache's (``__init__`` sets them; ``merge`` takes its rows').
+    checkpoint_every = 0
+    max_checkpoints = 4
     checkpoints = ()
+    _checkpoint = ring_checkpoints.BatchRotatingKVCache._checkpoint
+    _check_state = staticmethod(ring_state.BatchRotatingKVCache._check_state)
+    # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
+    # its own positions; the batch's own, taken since, are ``checkpoints``.
+    row_checkpoints = ()
 
-    def __init__(self, max_size, left_padding: List[int], keep: int = 0):
+    def __init__(
+        self,
+        max_size,
+        left_padding: List[int],
+        keep: int = 0,
+        checkpoint_every: int = 0,
+        max_checkpoints: int = 4,
+    ):
         if max_size < 1:
             raise ValueError(
                 f"BatchRotatingKVCache: max_size must be >= 1, got {max_size}"
@@ -85,6 +97,7 @@ class BatchRotatingKVCache:
         # not evict valid tokens.
         self._lengths = None
         self._reset_undo(0)
+        self.checkpoint_every, self.max_checkpoints = checkpoint_every, max_checkpoints
 
     @property
     def left_padding(self):
@@ -383,38 +396,6 @@ class BatchRotatingKVCache:
             self.values = self.values[..., drop:, :]
             self.left_padding = self.left_padding - drop
             self._idx = self.max_size
-
-    @staticmethod
-    def _check_state(v):
-        if len(v) not in (8, 9):
-            raise ValueError(f"{len(v)} state items, a BatchRotatingKVCache has 8 or 9")
-        keys, values, offset, left_padding, max_size, _offset, _idx = v[:7]
-        keep = v[8] if len(v) == 9 else 0
-        n = _stored(keys, values)
-        if max_size < 1 or not 0 <= keep < max_size:
-            raise ValueError(
-                f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
-            )
-        if not all(isinstance(x, mx.array) and x.ndim == 1 for x in v[2:4]) or (
-            offset.size != left_padding.size
-        ):
-            raise ValueError("offset and left_padding are not one entry per row")
-        if _offset < 0:
-            raise ValueError(f"_offset {_offset} is negative")
-        # The sinks and the live columns once allocated (an empty cache has
-        # none); upstream's ring (keep=0) is longer right after a multi-token
-        # update, with _idx at the end.
-        need = keep + min(_offset, max_size - keep) if n or _offset else 0
-        longer = n > max_size and not (keep == 0 and _idx == n)
-        if n < need or longer:
-            raise ValueError(
-                f"{n} slots stored for _offset {_offset}, keep {keep}, max_size {max_size}"
-            )
-        wrapped = _offset > max_size - keep
-        if not (keep <= _idx <= n if wrapped else _idx == keep + _offset):
-            raise ValueError(
-                f"_idx {_idx} does not fit _offset {_offset} and keep {keep}"
-            )
 
     @property
     def nbytes(self):

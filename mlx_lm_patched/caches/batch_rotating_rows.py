@@ -22,7 +22,7 @@ the batch the largest of its rows', whose undo ring fills while it decodes,
 and ``extract`` hands each row its evicted tokens, so a row taken out after
 a wrap can be trimmed back (a server's prompt cache reuses it). ``extend``
 resets the undo ring; it fills again over the next decode steps. Rows keep
-their window checkpoints (``prompt_cache_checkpoints``): those a row brings
+their window checkpoints (``batch_rotating_prealloc``): those a row brings
 to ``merge`` and those its batch took, which ``extend`` cuts out per row,
 come back out with it from ``extract``; ``to_quantized`` converts them all.
 """
@@ -45,11 +45,6 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 class BatchRotatingKVCache:
-    # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
-    # its own positions (``prompt_cache_checkpoints``); the batch's own,
-    # taken since, are ``checkpoints``. A row takes both out (``extract``).
-    row_checkpoints = ()
-
     def filter(self, batch_indices):
         """
         In-place filter to keep just the given indices in the cache.
@@ -128,7 +123,13 @@ class BatchRotatingKVCache:
             raise IndexError(
                 f"BatchRotatingKVCache.extract: row {idx} out of range for {B} rows"
             )
-        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
+        cache = RotatingKVCache(
+            self.max_size,
+            self.keep,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
+        )
         mx.eval(self.left_padding, self.offset)
         cache.offset = self.offset.tolist()[idx]
         if self.keys is None:
@@ -209,6 +210,8 @@ class BatchRotatingKVCache:
         n = max(columns)
         cache = cls(max_size, [0] * len(caches), keep)
         cache._reset_undo(max(c.slack for c in caches))
+        cache.checkpoint_every = max(c.checkpoint_every for c in caches)
+        cache.max_checkpoints = max(c.max_checkpoints for c in caches)
         if n == 0:
             return cache
         _, H, _, Dk = full[0].keys.shape

@@ -11,6 +11,11 @@ the ring), and every other cache is left as it is. Which layers changed is a
 ``UserWarning``, once per model type and change, so ``generate`` shows it on
 stderr. A ``max_kv_size`` below 1 raises ``ValueError`` before anything is
 built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
+
+``make_prompt_cache(model, max_kv_size, slack=n, checkpoint_every=m)`` makes
+every ``RotatingKVCache`` layer with that slack (at most its window) and
+checkpoint interval (``rotating_prealloc``, ``ring_checkpoints``): a server
+passes them, no class attribute is set for the process.
 """
 
 from typing import TYPE_CHECKING, Any, List
@@ -69,8 +74,13 @@ def _bound_layers(model, cache: List[Any], max_kv_size: int):
         )
 
 
-# make_prompt_cache: a model's own cache bounded too.
-_MAKE_PROMPT_CACHE = r'''@@ -12,8 +12,16 @@
+# make_prompt_cache: a model's own cache bounded too; rings with slack and checkpoints.
+_MAKE_PROMPT_CACHE = r'''@@ -3,2 +3,4 @@
+     max_kv_size: Optional[int] = None,
++    slack: int = 0,
++    checkpoint_every: int = 0,
+ ) -> List[Any]:
+@@ -12,15 +14,42 @@
          model (nn.Module): The language model.
 -        max_kv_size (Optional[int]): If provided and the model does not have a
 -            ``make_cache`` method, a ``RotatingKVCache`` is used with a maximum
@@ -79,6 +89,11 @@ _MAKE_PROMPT_CACHE = r'''@@ -12,8 +12,16 @@
 +            layers use a ``RotatingKVCache`` of ``max_kv_size`` tokens (keeping
 +            the first 4) and sliding layers a window no larger than
 +            ``max_kv_size``.
++        slack (int): Tokens each ``RotatingKVCache`` layer can be trimmed back
++            after it wraps (at most its window). Default: ``0``.
++        checkpoint_every (int): Each ``RotatingKVCache`` layer keeps a copy of
++            its window every this many tokens of a prefill. Default: ``0``,
++            none.
      """
 +    if max_kv_size is not None and max_kv_size < 1:
 +        raise ValueError(
@@ -86,17 +101,46 @@ _MAKE_PROMPT_CACHE = r'''@@ -12,8 +12,16 @@
 +        )
      if hasattr(model, "make_cache"):
 -        return model.make_cache()
+-
+-    num_layers = len(model.layers)
+-    if max_kv_size is not None:
+-        return [
+-            RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
 +        cache = model.make_cache()
 +        if max_kv_size is not None:
 +            _bound_layers(model, cache, max_kv_size)
-+        return cache
- 
++    else:
++        num_layers = len(model.layers)
++        if max_kv_size is not None:
++            cache = [
++                RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(num_layers)
++            ]
++        else:
++            cache = [KVCache() for _ in range(num_layers)]
++    if slack or checkpoint_every:  # the rings made again with them
++        cache = [
++            (
++                RotatingKVCache(
++                    c.max_size,
++                    c.keep,
++                    slack=min(slack, c.max_size - c.keep),
++                    checkpoint_every=checkpoint_every,
++                )
++                if type(c) is RotatingKVCache
++                else c
++            )
++            for c in cache
+         ]
+-    else:
+-        return [KVCache() for _ in range(num_layers)]
++    return cache
 '''
 
 
 PATCH = Patch(
     "max_kv_size",
-    "make_prompt_cache: honour max_kv_size for models with make_cache",
+    "make_prompt_cache: honour max_kv_size for models with make_cache; "
+    "rings with slack and checkpoints as asked",
     targets("mlx_lm.models.cache", _bounded_logged=_bounded_logged)
     + targets("mlx_lm.models.cache", _bound_layers)
     + edits("mlx_lm.models.cache", make_prompt_cache=_MAKE_PROMPT_CACHE),

@@ -25,9 +25,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from .._registry import Patch, cache_class, pasted_into, targets
+from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .quantized_cache import _check_quantized, _kv_quantize
+    from .quantized_layout import _check_quantized, _kv_quantize
     from .rotating_prealloc import _hold, _put
 
 
@@ -59,11 +60,21 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     # With ``slack``, ``_undo_keys``/``_undo_values`` are quantized tuples too
     # (each part ``(B, H, 2 * slack, ...)``), ``_lo``/``_hi`` as the ring's.
+    _join_checkpoints = ring_checkpoints.QuantizedRotatingKVCache._join_checkpoints
 
     def __init__(
-        self, max_size, keep=0, group_size: int = 64, bits: int = 8, slack=None
+        self,
+        max_size,
+        keep=0,
+        group_size: int = 64,
+        bits: int = 8,
+        slack=0,
+        checkpoint_every=0,
+        max_checkpoints=4,
     ):
-        RotatingKVCache.__init__(self, max_size, keep, slack)
+        RotatingKVCache.__init__(
+            self, max_size, keep, slack, checkpoint_every, max_checkpoints
+        )
         # As in QuantizedKVCache (see its __init__).
         self.group_size = group_size
         self.bits = bits
@@ -90,7 +101,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         rings, out = [], []
         undo = [self._undo_keys or (None,) * 3, self._undo_values or (None,) * 3]
         for i, parts in enumerate(zip(self.keys, self.values, *undo)):
-            ring = RotatingKVCache(self.max_size, self.keep, self.slack)
+            ring = RotatingKVCache(
+                self.max_size,
+                self.keep,
+                self.slack,
+                self.checkpoint_every,
+                self.max_checkpoints,
+            )
             ring.keys, ring.values, ring._undo_keys, ring._undo_values = parts
             ring.offset, ring._idx = self.offset, self._idx
             ring._lo, ring._hi = self._lo, self._hi
@@ -231,7 +248,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     def to_kv_cache(self):
         """The ring dequantized into a ``RotatingKVCache`` of the original dtype."""
-        cache = RotatingKVCache(self.max_size, self.keep, self.slack)
+        cache = RotatingKVCache(
+            self.max_size,
+            self.keep,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
+        )
         if self.keys is None or self.offset == 0:
             return cache
         dtype = getattr(mx, self.dtype)
@@ -275,7 +298,13 @@ class _RotatingKVCache:
         self, group_size: int = 64, bits: int = 4
     ) -> "QuantizedRotatingKVCache":
         cache = QuantizedRotatingKVCache(
-            self.max_size, self.keep, group_size, bits, self.slack
+            self.max_size,
+            self.keep,
+            group_size,
+            bits,
+            self.slack,
+            self.checkpoint_every,
+            self.max_checkpoints,
         )
         if self.keys is not None and self.offset > 0:
             # Upstream's layout past the ring becomes the ring's; a shorter

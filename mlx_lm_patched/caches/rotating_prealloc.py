@@ -7,14 +7,11 @@ first update allocates the ``max_size`` ring once; decode and chunks within
 the ring write into it in place. A multi-token update that runs past the ring
 gives attention a transient of the last ``max_size - 1`` tokens plus the
 chunk (the same keys, in the same order, as upstream) and keeps a ring of
-the newest tokens, copied from it. Writing into the old ring instead would
-need a sync inside the model (its readers done first, or MLX copies it
-anyway): on an H100 (Llama-8B shape, ring 4096, 2048-token chunks) the
-per-layer ``mx.eval`` doing that took 16-25% of the prefill time. A chunk of
-256 tokens or more is pipelined instead (``_pipeline``): each layer's update
-is scheduled and waits for the previous layer's, so a chunk holds about two
-layers in flight (1.1 GiB), not its whole graph (6.4 GiB, as ``KVCache``'s
-chunks: 5.6-11 GiB), in the same time.
+the newest tokens, copied from it (writing into the old ring instead would
+need a sync inside the model: docs/benchmarks.md). A chunk of 256 tokens or
+more is pipelined (``_pipeline``): each layer's update is scheduled and waits
+for the previous layer's, so a chunk holds about two layers in flight, not
+its whole graph.
 
 Also fixed: ``keep`` tokens stay visible to every query (upstream hides them
 from the later queries of a chunk, and rolls the single-token mask as if
@@ -28,12 +25,12 @@ evicted, copied ``n`` at a time just before they are evicted (one gather and
 scatter every ``n`` decode steps, which attention depends on, so the ring is
 still written in place), and ``trim(k)`` puts back up to ``n`` of them
 exactly; ``trimmable_tokens()`` says how many. Beyond that, trims of a
-wrapped ring raise and change nothing. The class attribute
-``RotatingKVCache.slack`` (0) is the default of rings a model makes itself;
-with ``slack`` the state carries five more items (the undo ring, slack and
-the positions it holds). Upstream cannot trim a wrapped ring at all, so
-prefix reuse on sliding-window models and speculative decoding with a
-bounded cache fail (ml-explore/mlx-lm#980).
+wrapped ring raise and change nothing. With ``slack`` the state carries five
+more items (the undo ring, slack and the positions it holds). Upstream cannot
+trim a wrapped ring at all, so prefix reuse on sliding-window models and
+speculative decoding with a bounded cache fail (ml-explore/mlx-lm#980).
+``RotatingKVCache(..., checkpoint_every=n)`` keeps copies of its window
+(``ring_checkpoints``).
 """
 
 from typing import Optional
@@ -41,6 +38,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .._registry import Patch, pasted_into, targets
+from . import ring_checkpoints
 
 
 def _check_update(cache, keys, values):
@@ -181,27 +179,33 @@ class RotatingKVCache:
     # they are evicted, the oldest in the window, so ``trim`` can put back
     # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
-    # What rings made without a ``slack`` argument get (a model's
-    # ``make_cache``), at most their window: a server sets it to reuse
-    # prompts whose end is re-rendered.
-    slack = 0
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
-    # the window in ``checkpoints`` (``prompt_cache_checkpoints``); 0: none.
+    # the window in ``checkpoints``, the newest ``max_checkpoints``
+    # (``_checkpoint``); 0: none. ``__init__`` sets these and ``slack``; the
+    # class values are those of a ring made from a state (``from_state``).
+    slack = 0
     checkpoint_every = 0
+    max_checkpoints = 4
     checkpoints = ()
+    _checkpoint = ring_checkpoints.RotatingKVCache._checkpoint
 
-    def __init__(self, max_size, keep=0, slack=None):
+    def __init__(
+        self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=4
+    ):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
         # The newest token needs a slot of its own: a ring no larger than
         # ``keep`` keeps ``max_size - 1`` first tokens.
         self.keep = min(keep, max_size - 1)
-        if slack is None:
-            slack = min(type(self).slack, max_size - self.keep)
         if not 0 <= slack <= max_size - self.keep:
             raise ValueError(
                 f"RotatingKVCache: slack must be in [0, {max_size - self.keep}] "
                 f"(max_size - keep), got {slack}"
+            )
+        if checkpoint_every < 0 or max_checkpoints < 1:
+            raise ValueError(
+                f"RotatingKVCache: need checkpoint_every >= 0 and max_checkpoints "
+                f">= 1, got {checkpoint_every} and {max_checkpoints}"
             )
         self.keys = None
         self.values = None
@@ -209,6 +213,7 @@ class RotatingKVCache:
         self.max_size = max_size
         self._idx = 0
         self.slack = slack
+        self.checkpoint_every, self.max_checkpoints = checkpoint_every, max_checkpoints
         self._undo_keys = self._undo_values = None
         self._lo = self._hi = 0
         self._step = None  # a decode step's (keys shape, values shape)

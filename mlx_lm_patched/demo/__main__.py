@@ -28,7 +28,7 @@ from mlx_lm.utils import load
 
 import mlx_lm_patched
 from mlx_lm_patched.bench.memory import pointer
-from mlx_lm_patched.demo import tiny, tiny_train
+from mlx_lm_patched.demo import tiny_train
 
 
 def printable(text: str) -> str:
@@ -181,7 +181,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
 
-    path = str(args.model or tiny.demo_model_dir())
+    path = str(args.model or tiny_train.demo_model_dir())
     model, tokenizer = load(path)
     text = prompt_text(tokenizer, args.prompt_tokens)
     prompt = mx.array(tokenizer.encode(text))

@@ -4,18 +4,13 @@
 ``model.safetensors`` and a byte-level BPE tokenizer (vocabulary 512, an eos
 token and a ChatML-style chat template) trained here on a built-in text, so
 nothing is downloaded. Weights depend only on the family, the overrides, the
-seed and the dtype. ``tiny_model`` loads one for tests. ``demo_model_dir`` is
-the model ``make demo`` uses: trained, not random (``tiny_train``), cached.
+seed and the dtype. ``tiny_model`` loads one for tests. The model ``make demo``
+uses is ``tiny_train.demo_model_dir``: trained, not random, cached.
 """
 
 import functools
-import hashlib
 import importlib
 import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional, Union
@@ -198,48 +193,3 @@ def tiny_model(
 
     with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-tiny-") as d:
         return load(str(make_model_dir(d, family, seed, dtype, **overrides)))
-
-
-def home() -> Path:
-    default = Path.home() / ".cache" / "mlx_lm_patched"
-    return Path(os.environ.get("MLX_LM_PATCHED_HOME", default))
-
-
-def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
-    """The demo model: a small llama with sliding and full layers trained on
-    the standard library's sources (``tiny_train``), trained once in a
-    subprocess (about two CPU-minutes, one core) and reused while its stamp
-    (``tiny_train.stamp()``: config, recipe, the trainer's source, Python's
-    and the libraries' versions) stays the same. By default it lives in
-    ``home()/demo-model-<digest of the stamp>``: each trainer finds its own
-    model, never one that another made."""
-    from mlx_lm_patched.demo import tiny_train
-
-    stamp = tiny_train.stamp()
-    if path is None:
-        digest = hashlib.sha256(json.dumps(stamp, sort_keys=True).encode())
-        path = home() / f"demo-model-{digest.hexdigest()[:12]}"
-    path = Path(path)
-    if (path / "config.json").exists():
-        made = path / "training.json"
-        if made.exists() and json.loads(made.read_text()) == stamp:
-            return path
-        shutil.rmtree(path)
-    # Build beside the target and rename, so a concurrent reader never sees
-    # a half-written directory.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
-    try:
-        # One BLAS thread: the same sums in the same order on every machine,
-        # and no spinning threads on a shared CPU.
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        recipe = json.dumps(stamp["recipe"])
-        cmd = [sys.executable, "-m", "mlx_lm_patched.demo.tiny_train", str(tmp)]
-        subprocess.run(cmd + ["--recipe", recipe], env=env, check=True)
-        (tmp / "training.json").write_text(json.dumps(stamp, indent=2))
-        tmp.rename(path)
-    except OSError:
-        pass  # another process won the race
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path

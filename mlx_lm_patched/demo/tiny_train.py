@@ -11,11 +11,18 @@ import argparse
 import hashlib
 import inspect
 import json
+import os
+import shutil
+import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
+from typing import Optional, Union
 
 import numpy as np
+
+from mlx_lm_patched.demo import tiny
 
 # What the model is (llama with sliding and full layers) and how it is trained.
 CONFIG = {
@@ -265,8 +272,6 @@ def build(path, config=CONFIG, recipe=RECIPE):
     import mlx.core as mx
     from tqdm import tqdm
 
-    from mlx_lm_patched.demo import tiny
-
     path = Path(path)
     texts = corpus()
     tokenizer = tiny.bpe_tokenizer(texts, config["vocab_size"])
@@ -292,14 +297,55 @@ def build(path, config=CONFIG, recipe=RECIPE):
     return path
 
 
+def home() -> Path:
+    default = Path.home() / ".cache" / "mlx_lm_patched"
+    return Path(os.environ.get("MLX_LM_PATCHED_HOME", default))
+
+
+def demo_model_dir(path: Optional[Union[str, Path]] = None) -> Path:
+    """The demo model: a small llama with sliding and full layers trained on
+    the standard library's sources (this module), trained once in a
+    subprocess (about two CPU-minutes, one core) and reused while its stamp
+    (``stamp()``: config, recipe, the trainer's source, Python's
+    and the libraries' versions) stays the same. By default it lives in
+    ``home()/demo-model-<digest of the stamp>``: each trainer finds its own
+    model, never one that another made."""
+    made_of = stamp()
+    if path is None:
+        digest = hashlib.sha256(json.dumps(made_of, sort_keys=True).encode())
+        path = home() / f"demo-model-{digest.hexdigest()[:12]}"
+    path = Path(path)
+    if (path / "config.json").exists():
+        made = path / "training.json"
+        if made.exists() and json.loads(made.read_text()) == made_of:
+            return path
+        shutil.rmtree(path)
+    # Build beside the target and rename, so a concurrent reader never sees
+    # a half-written directory.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
+    try:
+        # One BLAS thread: the same sums in the same order on every machine,
+        # and no spinning threads on a shared CPU.
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        recipe = json.dumps(made_of["recipe"])
+        cmd = [sys.executable, "-m", "mlx_lm_patched.demo.tiny_train", str(tmp)]
+        subprocess.run(cmd + ["--recipe", recipe], env=env, check=True)
+        (tmp / "training.json").write_text(json.dumps(made_of, indent=2))
+        tmp.rename(path)
+    except OSError:
+        pass  # another process won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def stamp():
     """What the demo model is made from: ``CONFIG``, ``RECIPE``, a digest of
     the trainer's source (this module, ``tiny``'s tokenizer), and the
     versions of Python (its standard library is the corpus) and of the
     libraries that train it. A model made from another stamp is stale."""
     import tokenizers
-
-    from mlx_lm_patched.demo import tiny
 
     source = Path(__file__).read_text() + "".join(
         inspect.getsource(f) for f in (tiny.bpe_tokenizer, tiny.write_tokenizer)

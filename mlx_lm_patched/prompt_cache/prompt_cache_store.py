@@ -101,6 +101,69 @@ def _copy_cache(cache, copy_array):
     return new
 
 
+def _restore_points(cache, length):
+    """Positions every layer of ``cache``, a cache of ``length`` tokens, can
+    go back to: a ring by a checkpoint, or a trim."""
+    found = {c.offset for x in cache for c in getattr(x, "checkpoints", ())}
+    return sorted(
+        p
+        for p in found
+        if all(
+            any(c.offset == p for c in getattr(layer, "checkpoints", ()))
+            or can_trim_prompt_cache([layer], length - p)
+            for layer in cache
+        )
+    )
+
+
+def _back_to(cache, length, at, working=lambda c: c):
+    """``cache``, a cache of ``length`` tokens to change, at ``at`` tokens:
+    trimmed, or each ring that cannot be replaced by ``working(its
+    checkpoint at at)``, which keeps that checkpoint and the older ones (an
+    entry made from it branches back there again); ``None`` where it cannot."""
+    if can_trim_prompt_cache(cache, length - at):
+        trim_prompt_cache(cache, length - at)
+        return cache
+    if at not in _restore_points(cache, length):
+        return None
+    for i, layer in enumerate(cache):
+        held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
+        if at in held:  # a ring of its own: never in its own checkpoints
+            cache[i] = copy.copy(working(held[at]))
+            cache[i].checkpoints = [c for p, c in held.items() if p <= at]
+        else:
+            trim_prompt_cache([layer], length - at)
+    return cache
+
+
+def _disk_restore_point(disk, model, tokens, prefix):
+    """How many tokens of ``disk``'s entry of ``tokens`` (a
+    ``DiskPromptCache``'s) a prompt sharing ``prefix`` of them can reuse:
+    ``prefix`` where it trims back there, else the newest position at or
+    before it where each of its rings has a checkpoint, as its header says
+    (its other layers are taken to trim; a load checks both), or 0."""
+    import json  # local: the disk tier adds them to the module, later
+    import os
+
+    name = disk._name(model, tokens)
+    if disk._files[name][2] >= len(tokens) - prefix:
+        return prefix
+    try:
+        state = disk._pending.get(name)
+        if state is None:
+            path = os.path.join(disk.directory, name)
+            meta = disk._read_header(path, full=True)[1]["__metadata__"]
+        else:
+            meta = state.metadata
+        found = {}
+        for i, p in json.loads(meta.get("0.ring_checkpoints", "[]")):
+            found.setdefault(i, set()).add(p)
+    except Exception:  # unreadable: none (a load would say why)
+        return 0
+    common = set.intersection(*found.values()) if found else set()
+    return max((p for p in common if p <= prefix), default=0)
+
+
 class LRUPromptCache:
     def __init__(
         self,
@@ -136,6 +199,18 @@ class LRUPromptCache:
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
 
+    def _from_checkpoint(self, cache_entry, length, prefix):
+        """A working cache from the newest position at or before ``prefix``
+        where every layer of the ``length``-token entry has a checkpoint or
+        trims to, and that position; ``(None, 0)`` where there is none."""
+        points = _restore_points(cache_entry.prompt_cache, length)
+        at = max((p for p in points if p <= prefix), default=0)
+        if at == 0:
+            return None, 0
+        cache = self._working_cache(cache_entry)
+        # A checkpoint quantized at rest is dequantized, as the entry is
+        return _back_to(cache, length, at, lambda c: self._working([c])[0]), at
+
     @property
     def nbytes(self):
         return self._n_bytes + self._blocks.nbytes
@@ -155,7 +230,7 @@ class LRUPromptCache:
                 cache = self._working_cache(cache_entry)
                 trim_prompt_cache(cache, num_to_trim)
                 return cache, tokens[prefix:]
-            # A wrapped ring's checkpoint instead (prompt_cache_checkpoints)
+            # A wrapped ring's checkpoint instead (_from_checkpoint)
             if any(getattr(c, "checkpoints", ()) for c in cache_entry.prompt_cache):
                 cache, at = self._from_checkpoint(
                     cache_entry, len(result.longer), prefix
@@ -279,10 +354,19 @@ class LRUPromptCache:
 PATCH = Patch(
     "prompt_cache_store",
     "LRUPromptCache: entries hold live tokens only, fetched without a deep "
-    "copy; one _evict for every eviction",
-    targets("mlx_lm.models.cache", _live_state, _copy_cache)
+    "copy; one _evict for every eviction; a prefix a wrapped ring cannot "
+    "trim back to restored from the nearest checkpoint",
+    targets(
+        "mlx_lm.models.cache",
+        _live_state,
+        _copy_cache,
+        _restore_points,
+        _back_to,
+        _disk_restore_point,
+    )
     + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),
     requires=(
+        "ring_trim_slack",  # a wrapped ring trims within its slack or raises
         "mlx_lm.models.cache:RotatingKVCache.state",
         "mlx_lm.models.cache:can_trim_prompt_cache",  # (cache, num_tokens)
         "mlx_lm.models.cache:QuantizedRotatingKVCache",  # trims within its slack

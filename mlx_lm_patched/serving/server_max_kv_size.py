@@ -27,16 +27,19 @@ _GENERATE = """\
 
 # ResponseGenerator._serve_single: its caches bounded by --max-kv-size.
 _SERVE_SINGLE = """\
-@@ -51,5 +51,8 @@
-         if cache is None:
+@@ -51,5 +51,12 @@
+-        if cache is None:
 -            cache = make_prompt_cache(self.model_provider.model)
-+            max_kv_size = getattr(self.cli_args, "max_kv_size", None)
-+            cache = make_prompt_cache(self.model_provider.model, max_kv_size)
++        if cache is None:  # with the server's ring slack and checkpoints
++            options = (
++                getattr(self.cli_args, "max_kv_size", None),
++                getattr(self.cli_args, "prompt_cache_slack", 0),
++                getattr(self.cli_args, "prompt_cache_checkpoint_every", 0),
++            )
++            cache = make_prompt_cache(self.model_provider.model, *options)
              if self.model_provider.draft_model is not None:
 -                cache += make_prompt_cache(self.model_provider.draft_model)
-+                cache += make_prompt_cache(
-+                    self.model_provider.draft_model, max_kv_size
-+                )
++                cache += make_prompt_cache(self.model_provider.draft_model, *options)
  
 """
 
@@ -49,5 +52,8 @@ PATCH = Patch(
         _serve_single=_SERVE_SINGLE,
         _generate=_GENERATE,
     ),
-    requires=("mlx_lm.models.cache:_bound_layers",),
+    requires=(
+        "mlx_lm.models.cache:_bound_layers",
+        "mlx_lm.models.cache:make_prompt_cache",  # slack, checkpoint_every
+    ),
 )

@@ -180,8 +180,15 @@ _GENERATE = """\
                  self._log_cache_stats()
 +                timing["prepare"] = time.perf_counter()
                  cache, rest = self.prompt_cache.fetch_nearest_cache(
-@@ -71,2 +81,3 @@
+@@ -71,2 +81,10 @@
                  )
++                if cache is None:  # rings with the server's slack, checkpoints
++                    cache = make_prompt_cache(
++                        self.model_provider.model,
++                        getattr(self.cli_args, "max_kv_size", None),
++                        self.cli_args.prompt_cache_slack,
++                        self.cli_args.prompt_cache_checkpoint_every,
++                    )
 +                timing["fetch"] = time.perf_counter()
                  prompt_cache_count = len(prompt) - len(rest)
 @@ -107,3 +118,5 @@
@@ -334,6 +341,27 @@ _MAIN = """\
 +        choices=[32, 64, 128],
 +        default=64,
 +        help="Group size of --prompt-cache-bits (default: 64)",
++    )
++    # A chat template's re-rendered tail (an end-of-turn marker, a stripped
++    # space, a changed last word) is a few tokens.
++    parser.add_argument(
++        "--prompt-cache-slack",
++        type=int,
++        default=8,
++        help="Tokens a rotating cache layer (a sliding window, a --max-kv-size "
++        "ring) can be trimmed back after it wraps, so a chat whose client "
++        "re-renders the end of the previous answer reuses its cache; at most "
++        "the window (default: 8)",
++    )
++    # Four of them (``max_checkpoints``) cover the last 2,048 tokens.
++    parser.add_argument(
++        "--prompt-cache-checkpoint-every",
++        type=int,
++        default=512,
++        help="Rotating cache layers keep a copy of their window every this "
++        "many tokens of a prompt (the newest 4), so a request that branches "
++        "off a cached prompt past the window prefills from the nearest one; "
++        "0: none (default: 512)",
 +    )
 +    parser.add_argument(
 +        "--max-kv-size",
@@ -506,5 +534,6 @@ PATCH = Patch(
     requires=(
         "mlx_lm.models.cache:LRUPromptCache.trim_to",
         "mlx_lm.models:prompt_cache_disk",
+        "mlx_lm.models.cache:make_prompt_cache",  # slack, checkpoint_every
     ),
 )

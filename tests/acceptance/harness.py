@@ -37,6 +37,8 @@ LONG = " ".join(WORDS[40:190])
 OTHER_SHORT = " ".join(WORDS[200:220])
 OTHER_LONG = " ".join(WORDS[221:370])
 MAX_TOKENS = 24
+# The server's --prompt-cache-slack default: tokens a wrapped ring trims back.
+SLACK = 8
 # Bytes of K and V a token in every layer of tiny llama (float32).
 LLAMA = tiny.model_config(MODELS["llama"][0], **MODELS["llama"][1])
 LLAMA_TOKEN_BYTES = (

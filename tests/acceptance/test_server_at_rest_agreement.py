@@ -13,7 +13,7 @@ to the report and docs/hardening.md, "Quantized entries at rest").
 import pytest
 from harness import REPORT, WORDS, Server
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny, tiny_train
 
 CASES = 8
 MAX_TOKENS = 16
@@ -40,7 +40,7 @@ def answer(server, prompt):
 
 @pytest.fixture(scope="module")
 def demo_model():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,14 @@ import time
 import pytest
 from harness import REPORT, Server
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny_train
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
 def demo_model():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 def answer(port, request=HEALTH, timeout=30):

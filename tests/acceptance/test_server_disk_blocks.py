@@ -9,11 +9,10 @@ greedy tokens are a cold server's; and a second replica on DIR serves the
 first's entry and writes its own chats against the same block files.
 """
 
-import json
 import os
 import signal
-import time
 
+from cache_dir import block_files, named_blocks, written
 from harness import LLAMA_TOKEN_BYTES, REPORT, WORDS, Server, system_chat
 
 SYSTEM = " ".join((WORDS * 2)[:560])  # about 1,000 tokens on the tiny tokenizer
@@ -29,32 +28,8 @@ def chat(server, i):
     return reply["choices"][0]["message"]["content"], cached, usage["prompt_tokens"]
 
 
-def named_blocks(directory):
-    """Per entry file in ``directory``, the block files its header names."""
-    out = {}
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors") and ".block." not in name:
-            with open(directory / name, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                meta = json.loads(f.read(n))["__metadata__"]
-            out[name] = set(json.loads(meta.get("0.blocks", '{"files": []}'))["files"])
-    return out
-
-
-def block_files(directory):
-    return {n for n in os.listdir(directory) if n.endswith(".block.safetensors")}
-
-
 def dir_bytes(directory):
     return sum(os.path.getsize(directory / n) for n in os.listdir(directory))
-
-
-def written(directory, entries, seconds=60):
-    """Wait (bounded) until ``directory`` holds ``entries`` entry files."""
-    deadline = time.monotonic() + seconds
-    while len(named_blocks(directory)) < entries:
-        assert time.monotonic() < deadline, os.listdir(directory)
-        time.sleep(0.2)
 
 
 def test_chats_keep_their_system_prompt_on_disk_once_and_a_restart_serves_it(

@@ -9,8 +9,8 @@ import json
 import os
 import shutil
 
+from cache_dir import entries, interrupt, is_entry
 from harness import LONG, MAX_TOKENS, Server, run
-from test_server_prompt_cache_disk import entries, interrupt, is_entry
 
 SHORTER = " ".join(LONG.split()[:-12])
 

@@ -13,17 +13,17 @@ import stat
 import threading
 
 import pytest
+from cache_dir import block_files, named_blocks, written
 from harness import REPORT, WORDS, Server, system_chat
-from test_server_disk_blocks import block_files, named_blocks, written
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny_train
 
 SYSTEM = " ".join(WORDS[:120])  # a prefix every client shares: block files
 
 
 @pytest.fixture(scope="module")
 def demo():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 class Peak(threading.Thread):

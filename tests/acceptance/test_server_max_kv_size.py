@@ -11,11 +11,10 @@ import re
 import threading
 
 import pytest
-from harness import LONG, OTHER_LONG, WORDS, Server, generate, text_of
-from test_server_prompt_cache_disk import entries, interrupt, load_entry
+from cache_dir import entries, interrupt, load_entry
+from harness import LONG, OTHER_LONG, SLACK, WORDS, Server, generate, text_of
 
-from mlx_lm_patched.demo import tiny
-from mlx_lm_patched.server import SLACK
+from mlx_lm_patched.demo import tiny_train
 
 RING = 64
 # Prompts of 172 to 277 tokens: past the ring.
@@ -28,7 +27,7 @@ KV8 = ["--kv-bits", 8, "--quantized-kv-start", 0]
 
 @pytest.fixture(scope="module")
 def demo():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 def chat(server, text, **extra):

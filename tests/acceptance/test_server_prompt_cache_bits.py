@@ -8,10 +8,8 @@ steps back within its slack).
 
 import re
 
-from harness import LONG, OTHER_LONG, SHORT, WORDS, Server
-from test_server_prompt_cache_disk import complete, entries, interrupt, load_entry
-
-from mlx_lm_patched.server import SLACK
+from cache_dir import complete, entries, interrupt, load_entry
+from harness import LONG, OTHER_LONG, SHORT, SLACK, WORDS, Server
 
 
 def logged_bytes(server):

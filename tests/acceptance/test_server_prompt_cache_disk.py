@@ -12,58 +12,10 @@ answers as a hit from memory did before it.
 """
 
 import os
-import signal
-import time
 
 import pytest
-from harness import LONG, MAX_TOKENS, Server
-
-BODY = {"prompt": LONG, "max_tokens": MAX_TOKENS, "temperature": 0}
-
-
-def complete(server):
-    status, reply = server.post("/v1/completions", BODY)
-    assert status == 200, reply
-    usage = reply["usage"]
-    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    return reply["choices"][0]["text"], cached, usage["prompt_tokens"]
-
-
-def entries(directory, seconds=60):
-    """The entry files in ``directory`` once one is there (the writer's
-    thread); block files (``prompt_cache_disk_blocks``) apart."""
-    deadline = time.monotonic() + seconds
-    while True:
-        found = [f for f in os.listdir(directory) if is_entry(f)]
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    raise TimeoutError(f"no entry written to {directory} in {seconds} s")
-
-
-def is_entry(name):
-    return name.endswith(".safetensors") and not name.endswith(".block.safetensors")
-
-
-def load_entry(directory, name):
-    """The cache in entry file ``name``, its block files joined in."""
-    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
-
-    tier = DiskPromptCache(str(directory))
-    try:
-        return tier._load(name)
-    finally:
-        tier.close()
-
-
-def interrupt(server):
-    """Stop ``server`` with Ctrl-C (SIGINT): it writes what is queued and exits 0."""
-    os.kill(server.proc.pid, signal.SIGINT)
-    status = server.proc.wait(timeout=60)
-    assert status == 0, server.log()
-    assert "Traceback" not in server.log_path.read_text(), server.log()
+from cache_dir import complete, entries, interrupt
+from harness import Server
 
 
 def test_prompt_is_served_from_disk_after_a_restart(model_dir, tmp_path):

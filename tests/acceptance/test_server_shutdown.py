@@ -19,7 +19,7 @@ import pytest
 from harness import REPORT, Server
 from mlx_lm.models.prompt_cache_disk import DiskPromptCache
 
-from mlx_lm_patched.demo import tiny
+from mlx_lm_patched.demo import tiny, tiny_train
 
 # The stop's bound without a disk tier (the generation thread's and the
 # handlers'); a disk tier adds its drain bound.
@@ -30,7 +30,7 @@ CLIENTS = 6
 
 @pytest.fixture(scope="module")
 def demo_model():
-    return tiny.demo_model_dir()
+    return tiny_train.demo_model_dir()
 
 
 def prefilling(server, clients=CLIENTS):

@@ -7,11 +7,10 @@ wrapped rings cannot be trimmed (ml-explore/mlx-lm#980), so it prefills the
 whole conversation every turn. Greedy answers are the same.
 """
 
-from harness import LONG, OTHER_LONG, OTHER_SHORT, REPORT, SHORT, Server
+from harness import LONG, OTHER_LONG, OTHER_SHORT, REPORT, SHORT, SLACK, Server
 from tokenizers import Tokenizer
 
 from mlx_lm_patched.demo import tiny
-from mlx_lm_patched.server import SLACK
 
 USERS = [LONG, OTHER_SHORT, SHORT, OTHER_LONG]
 

@@ -12,8 +12,8 @@ import os
 import re
 import stat
 
+from cache_dir import complete, entries, interrupt, is_entry
 from harness import LONG, Server
-from test_server_prompt_cache_disk import complete, entries, interrupt, is_entry
 
 
 def mode(path):

@@ -66,7 +66,7 @@ def prompt_cache_state(
     thread may copy to host (another thread cannot evaluate them: "There is
     no Stream(cpu, 0) in current thread"). Holding them keeps their buffers
     from being donated to an update, so they do not change. Rings'
-    checkpoints (``prompt_cache_checkpoints``) follow the layers as caches
+    checkpoints (``RotatingKVCache._checkpoint``) follow the layers as caches
     of their own, the metadata's ``ring_checkpoints`` naming each one's
     layer and position (``_prompt_cache_from_arrays`` puts them back)."""
     held = [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]

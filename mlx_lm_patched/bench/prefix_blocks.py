@@ -70,6 +70,7 @@ def fill(caches, convs, block_size):
         lru._blocks = cache_module.PromptBlocks(block_size)
     for tokens, cache in zip(convs, caches):  # upstream keeps what it is given
         lru.insert_cache("model", tokens, copy.deepcopy(cache))
+    mx.synchronize()  # the copies the inserts scheduled are made
     mx.clear_cache()
     return lru, mx.get_active_memory() - before
 

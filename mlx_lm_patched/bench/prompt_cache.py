@@ -46,6 +46,7 @@ def run_side(model, prompts, decode):
         step(cache, p)
         lru.insert_cache("model", p, cache)
         del cache
+    mx.synchronize()  # the copies the inserts scheduled are made
     mx.clear_cache()
     held = mx.get_active_memory() - before
 

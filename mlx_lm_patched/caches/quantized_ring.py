@@ -25,9 +25,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from .._registry import Patch, cache_class, pasted_into, targets
-from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import copy
+
     from .quantized_layout import _check_quantized, _kv_quantize
     from .rotating_prealloc import _hold, _put
 
@@ -60,7 +61,6 @@ class QuantizedRotatingKVCache(RotatingKVCache):
 
     # With ``slack``, ``_undo_keys``/``_undo_values`` are quantized tuples too
     # (each part ``(B, H, 2 * slack, ...)``), ``_lo``/``_hi`` as the ring's.
-    _join_checkpoints = ring_checkpoints.QuantizedRotatingKVCache._join_checkpoints
 
     def __init__(
         self,
@@ -80,6 +80,21 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         self.bits = bits
         self.dtype = None
         self.head_dims = None
+
+    def _join_checkpoints(self, per_part):
+        """The checkpoints each quantized part's ring took, joined into ours."""
+        taken = list(self.checkpoints)
+        for parts in zip(*per_part):
+            snap = copy.copy(self)
+            snap.keys = tuple(p.keys for p in parts)
+            snap.values = tuple(p.values for p in parts)
+            snap.offset, snap._idx, snap.checkpoints = (
+                parts[0].offset,
+                parts[0]._idx,
+                (),
+            )
+            taken.append(snap)
+        self.checkpoints = taken[-self.max_checkpoints :]
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in the live slots of a loaded state."""

@@ -60,23 +60,6 @@ class RotatingKVCache:
             self.keys, self.values = mx.depends([self.keys, self.values], new)
 
 
-class QuantizedRotatingKVCache:
-    def _join_checkpoints(self, per_part):
-        """The checkpoints each quantized part's ring took, joined into ours."""
-        taken = list(self.checkpoints)
-        for parts in zip(*per_part):
-            snap = copy.copy(self)
-            snap.keys = tuple(p.keys for p in parts)
-            snap.values = tuple(p.values for p in parts)
-            snap.offset, snap._idx, snap.checkpoints = (
-                parts[0].offset,
-                parts[0]._idx,
-                (),
-            )
-            taken.append(snap)
-        self.checkpoints = taken[-self.max_checkpoints :]
-
-
 class BatchRotatingKVCache:
     def _checkpoint(self, sinks, columns, S):
         """Keep the batch at each multiple of ``checkpoint_every`` columns

@@ -186,8 +186,8 @@ _GENERATE = """\
 +                    cache = make_prompt_cache(
 +                        self.model_provider.model,
 +                        getattr(self.cli_args, "max_kv_size", None),
-+                        self.cli_args.prompt_cache_slack,
-+                        self.cli_args.prompt_cache_checkpoint_every,
++                        getattr(self.cli_args, "prompt_cache_slack", 0),
++                        getattr(self.cli_args, "prompt_cache_checkpoint_every", 0),
 +                    )
 +                timing["fetch"] = time.perf_counter()
                  prompt_cache_count = len(prompt) - len(rest)

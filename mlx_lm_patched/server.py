@@ -11,18 +11,15 @@ window (an edited message) prefills from the nearest checkpoint before the
 branch, not from the start. The server passes both to ``make_prompt_cache``.
 
 Stopped (SIGTERM, Ctrl-C), once upstream's ``main`` has returned (its
-generation thread joined, its prompt cache written), the server collects the
-reference cycles left (the request loop's caches and MLX objects) while MLX
-is whole, then exits 0 as any program does. Left to the interpreter's
-finalization, MLX aborted at times ("terminate called without an active
-exception", exit -6, with the main thread alone: 2 of 14 stops on a loaded
-2-core CPU, upstream's server too); collected first, 26 of 26 exited 0, but
-on a busier machine 2 of 4 stops still aborted: the process ends once the
-stop is done, exit 0, its log flushed.
+generation thread joined, its prompt cache written), the process ends there,
+exit 0, its log flushed. Left to the interpreter's finalization, MLX aborted
+at times ("terminate called without an active exception", exit -6, with the
+main thread alone: 2 of 14 stops on a loaded 2-core CPU, upstream's server
+too); collecting the reference cycles first still left 2 of 4 stops aborting
+on a busier machine.
 """
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -57,7 +54,6 @@ def checked_main():
     # without an active exception", exit -6) after a stop under load, a
     # generation thread inside a step or not: the stop is done, so the
     # process ends here, its log flushed.
-    gc.collect()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -168,6 +168,14 @@ def status() -> Dict[str, dict]:
 if os.environ.get("MLX_LM_PATCHED_APPLY", "1") != "0":
     apply()
 
-# ``generate`` is mlx-lm's function; importing the ``generate`` front module
-# rebinds the name to that module, which stays callable as the function.
-from mlx_lm import batch_generate, generate, load, stream_generate  # noqa: E402
+
+def __getattr__(name: str):
+    """mlx-lm's entry points as the patches leave them now (``apply`` after
+    ``revert`` builds edited functions anew). Importing the ``generate`` front
+    module binds that name to the module, which stays callable as the function.
+    """
+    if name in ("batch_generate", "generate", "load", "stream_generate"):
+        import mlx_lm
+
+        return getattr(mlx_lm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,7 +63,9 @@ def test_import_applies_every_patch():
     assert all(s == [True, False] for s in state.values()), state
 
 
-def test_package_exports_mlx_lm_functions():
+def test_package_exports_mlx_lm_functions_as_the_patches_leave_them():
+    mlx_lm_patched.revert()
+    mlx_lm_patched.apply()  # builds the edited stream_generate anew
     from mlx_lm_patched import batch_generate, generate, load, stream_generate
 
     assert load is mlx_lm.load

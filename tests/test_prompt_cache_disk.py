@@ -79,8 +79,11 @@ def written(directory, *entries, max_bytes=1 << 63):
 
 
 def files(directory):
-    """The files in ``directory`` but block files (prompt_cache_disk_blocks)."""
-    return sorted(f for f in os.listdir(directory) if ".block." not in f)
+    """The files in ``directory`` but block files (prompt_cache_disk_blocks)
+    and the rates measured (``rates_file``)."""
+    return sorted(
+        f for f in os.listdir(directory) if ".block." not in f and f != ".rates.json"
+    )
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -828,6 +831,33 @@ def test_an_entry_read_in_small_chunks_is_bit_exact_and_a_flipped_bit_is_refused
     assert f"{path}: ValueError('its data does not match its CRC-32')" in caplog.text
 
 
+def test_a_file_of_arrays_in_another_order_is_read_array_by_array(
+    load_tiny, tmp_path, caplog
+):
+    """Files written before arrays went in sorted key order (one CRC-32 run
+    over the data) are read with the CRC-32 joined array by array."""
+    model, _ = load_tiny("llama")
+    cache = prefilled(model, PROMPT)
+    path = one_entry(model, tmp_path, PROMPT)
+    header, body = read_header(path)
+    keys = sorted((k for k in header if k != "__metadata__"), reverse=True)
+    parts, at = [], 0
+    for k in keys:
+        start, stop = header[k]["data_offsets"]
+        parts.append(body[start:stop])
+        header[k]["data_offsets"] = [at, at + stop - start]
+        at += stop - start
+    path = write_header(path, header, b"".join(parts), reseal=True)
+
+    restored, rest = disk(tmp_path).get(MODEL, PROMPT + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(cache))
+    parts[-1] = bytes([parts[-1][0] ^ 1]) + parts[-1][1:]  # the first key's
+    path = write_header(path, header, b"".join(parts))
+    caplog.set_level(logging.WARNING)
+    assert disk(tmp_path).get(MODEL, PROMPT + EXTRA) is None
+    assert "its data does not match its CRC-32" in caplog.text
+
+
 def restores(tier, cached=0, prefill_rate=None, read_rate=1e6):
     """A ``DiskLRUPromptCache`` on ``tier`` that measured ``prefill_rate``
     tokens a second and ``read_rate`` bytes a second: fixed numbers."""
@@ -835,8 +865,7 @@ def restores(tier, cached=0, prefill_rate=None, read_rate=1e6):
 
     lru = DiskLRUPromptCache(tier)
     tier._read = [read_rate, 1.0]
-    if prefill_rate is not None:
-        lru.observe_prefill(prefill_rate, 1.0)
+    lru._prefill = [0, 0.0] if prefill_rate is None else [prefill_rate, 1.0]
     return lru
 
 
@@ -888,6 +917,30 @@ def test_a_forced_recompute_gives_the_same_tokens_as_a_restore(load_tiny, tmp_pa
     slow_disk = restores(disk(tmp_path), prefill_rate=1e9)
     assert slow_disk.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
     assert single_stream(model, prompt, STEPS)[0] == restored
+
+
+def test_a_restarted_tier_starts_from_the_rates_measured_before(load_tiny, tmp_path):
+    """Read and prefill rates are kept in the directory: after a restart the
+    cost model recomputes what it measured slower to read, where without
+    them it would restore it (no prefill rate known)."""
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache
+
+    model, _ = load_tiny("llama")
+    written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
+    lru = DiskLRUPromptCache(disk(tmp_path))
+    assert lru.fetch_nearest_cache(MODEL, PROMPT + EXTRA)[1] == EXTRA  # restored
+    lru.observe_prefill(10**9, 1.0)  # a billion tokens a second
+    read = lru.disk.read_rate
+    lru.disk.close()
+
+    again = DiskLRUPromptCache(disk(tmp_path))
+    assert again.prefill_rate == 10**9  # kept by close, within rates_every
+    assert again.disk.read_rate == read
+    assert again.fetch_nearest_cache(MODEL, PROMPT + EXTRA) == (None, PROMPT + EXTRA)
+    for bad in ['{"read": [1e999, 1], "prefill": ["9", 1]}', "[", '{"read": 3}']:
+        (tmp_path / ".rates.json").write_text(bad)
+        fresh = DiskLRUPromptCache(disk(tmp_path))
+        assert fresh.prefill_rate is None and fresh.disk.read_rate == 2e9
 
 
 def test_prefill_rate_is_read_from_a_batch_generators_counters(tmp_path):

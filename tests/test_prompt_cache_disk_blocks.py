@@ -63,8 +63,11 @@ def entries(directory):
 
 
 def dir_bytes(directory):
+    """The bytes of the entry and block files in ``directory``."""
     return sum(
-        os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+        os.path.getsize(os.path.join(directory, f))
+        for f in os.listdir(directory)
+        if f.endswith(".safetensors")
     )
 
 

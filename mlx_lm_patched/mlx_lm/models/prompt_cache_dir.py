@@ -11,7 +11,7 @@ import os
 import stat
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, Optional
 
 from .cache import PromptTrie
 from .prompt_cache_read import PromptCacheReader
@@ -64,7 +64,9 @@ class PromptCacheDir(PromptCacheReader):
         self._digests = self._known_digests()  # (directory, files' stats) -> digest
         self._digest_lock = threading.Lock()  # one reader of a model's files
         self._reading = set()  # the digests read on threads of their own
-        self._read = [0, 0.0]  # [bytes, seconds] restored, older ones weighing half
+        # [bytes, seconds] restored, older ones weighing half; the rates known
+        self._rates = self._known_rates()
+        self._read, self._rates_kept = list(self._rates["read"]), -self.rates_every
         self._lock_dir()
         try:
             for name, entry in self._scan():
@@ -177,31 +179,66 @@ class PromptCacheDir(PromptCacheReader):
     # weights again (16 GB for an 8B model) while their stats are the same.
     digests_file = ".model-digests.json"
 
+    # What restores and prefills took here ([bytes, seconds] read, [tokens,
+    # seconds] prefilled): a restart's cost model starts from what was
+    # measured, not from ``read_prior`` and no prefill rate. Written at most
+    # every ``rates_every`` seconds.
+    rates_file = ".rates.json"
+    rates_every = 10.0
+
     def _known_digests(self) -> dict:
-        """The digests ``digests_file`` holds ({} if it is not a regular
-        file holding them)."""
-        path = os.path.join(self.directory, self.digests_file)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return {}
-                known = json.loads(f.read(1 << 20))
-        except (OSError, ValueError):
-            return {}
+        """The digests ``digests_file`` holds ({} if it holds none)."""
+        known = self._read_json(self.digests_file)
         ok = isinstance(known, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in known.items()
         )
         return known if ok else {}
 
     def _keep_digests(self):
-        """Write the digests read to ``digests_file`` (best effort)."""
-        path = os.path.join(self.directory, self.digests_file)
+        self._write_json(self.digests_file, self._digests)
+
+    def _known_rates(self) -> dict:
+        """``{"read": [bytes, seconds], "prefill": [tokens, seconds]}`` as
+        ``rates_file`` holds them (zeros where it holds none)."""
+        known, rates = self._read_json(self.rates_file), {}
+        for k in ("read", "prefill"):
+            v = known.get(k) if isinstance(known, dict) else None
+            ok = isinstance(v, list) and len(v) == 2
+            ok = ok and all(type(x) in (int, float) and 0 < x < 1e30 for x in v)
+            rates[k] = [v[0], v[1]] if ok else [0, 0.0]
+        return rates
+
+    def _keep_rates(self, prefill: Optional[list] = None):
+        """Write ``_read`` and the last ``prefill`` to ``rates_file``, unless
+        they were written less than ``rates_every`` seconds ago."""
+        if prefill is not None:
+            self._rates["prefill"] = list(prefill)
+        if time.monotonic() - self._rates_kept >= self.rates_every:
+            self._rates_kept = time.monotonic()
+            self._rates["read"] = list(self._read)
+            self._write_json(self.rates_file, self._rates)
+
+    def _read_json(self, name: str):
+        """What the JSON file ``name`` holds (``None`` if it is not a regular
+        file of at most 1 MB of JSON)."""
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
+                return json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return None
+
+    def _write_json(self, name: str, value):
+        """Write ``value`` to the JSON file ``name`` (best effort, warned)."""
+        path = os.path.join(self.directory, name)
         temp = f"{path}.{os.getpid()}-{id(self):x}"
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
             with os.fdopen(os.open(temp, flags, self.mode), "w") as f:
-                json.dump(self._digests, f)
+                json.dump(value, f)
             os.replace(temp, path)
         except OSError as e:
             logging.warning(f"[prompt cache] could not write {path}: {e!r}")
@@ -229,8 +266,8 @@ class PromptCacheDir(PromptCacheReader):
                     continue
                 if self._is_block(e.name):
                     continue  # counted by _shrink, read with its entries
-                if e.name.startswith(self.digests_file):
-                    continue  # the model digests known (and one being written)
+                if e.name.startswith((self.digests_file, self.rates_file)):
+                    continue  # what is known (and being written)
                 if not stat.S_ISREG(st.st_mode):
                     raise ValueError("not a regular file")
                 if not self._is_entry(e.name):

@@ -263,6 +263,7 @@ class DiskPromptCache(PromptBlockDir):
                     )
             read = self._restore_bytes(entry[3], self._named_blocks(header))
             self._observe(self._read, read, time.perf_counter() - start)
+            self._keep_rates()
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
@@ -356,6 +357,9 @@ class DiskPromptCache(PromptBlockDir):
         if self._closed:
             return 0
         self._closed = True
+        if self._read[1] or self._rates["prefill"][1]:  # measured: kept now
+            self._rates_kept = -self.rates_every
+            self._keep_rates()
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():  # it skips the rest, ends the file it writes
@@ -384,8 +388,10 @@ class DiskLRUPromptCache(LRUPromptCache):
     back). ``disk.read_rate`` is measured by every restore; ``prefill_rate``
     (tokens a second) by ``observe_prefill`` or, read when a prompt is
     fetched, ``prefill_counters`` (an object counting ``prompt_tokens`` and
-    ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Until
-    a prefill is measured, the entry reusing the most is restored.
+    ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Both
+    are kept in the directory (``rates_file``): a restarted server starts
+    from them. Until a prefill is measured, the entry reusing the most is
+    restored.
     """
 
     def __init__(
@@ -403,7 +409,8 @@ class DiskLRUPromptCache(LRUPromptCache):
         self.disk = disk
         self.prefill_counters = None
         self._counted = (None, 0, 0.0)  # counters, tokens and seconds seen
-        self._prefill = [0, 0.0]  # [tokens, seconds], each older weighing half
+        # [tokens, seconds], each older weighing half; from the directory's
+        self._prefill = list(disk._rates["prefill"])
 
     @property
     def prefill_rate(self):
@@ -424,6 +431,7 @@ class DiskLRUPromptCache(LRUPromptCache):
         """Count ``tokens`` prefilled in ``seconds``."""
         if tokens > 0 and seconds > 0:
             self.disk._observe(self._prefill, tokens, seconds)
+            self.disk._keep_rates(self._prefill)
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)

@@ -188,10 +188,13 @@ class PromptBlockDir(PromptCacheDir):
     def _seal(self, state):
         """``(host, header)``: ``state``'s arrays copied to host (on the
         calling thread), its metadata with the manifest and the CRC-32 of
-        its data (the arrays' bytes in sorted key order)."""
+        its data (the arrays' bytes in sorted key order, the order written:
+        ``_read_arrays`` checks it run by run)."""
         import numpy as np
 
-        arrays = {k: np.asarray(a, order="C") for k, a in state.arrays.items()}
+        arrays = {
+            k: np.asarray(state.arrays[k], order="C") for k in sorted(state.arrays)
+        }
         host = HostPromptCache(arrays, state.dtypes, dict(state.metadata))
         header = host.header()
         host.metadata["0.manifest"] = self._manifest(header)
@@ -213,6 +216,13 @@ class PromptBlockDir(PromptCacheDir):
         size = getattr(mx, self.dtypes[spec["dtype"]]).size
         return data.view(f"<u{size}").reshape(spec["shape"])
 
+    def _slice(self, data, spec: dict):
+        """The array of header ``spec`` in ``data`` (a file's data, MLX
+        bytes): a view of its ``data_offsets``."""
+        start, stop = spec["data_offsets"]
+        dtype = getattr(mx, self.dtypes[spec["dtype"]])
+        return data[start:stop].view(dtype).reshape(spec["shape"])
+
     @staticmethod
     def _views(state):
         """A queued entry's or block's arrays (``HostPromptCache``), each
@@ -227,8 +237,6 @@ class PromptBlockDir(PromptCacheDir):
         ``metadata``); ``found``: block file name -> its arrays."""
         if "0.blocks" not in metadata:
             return arrays
-        import numpy as np
-
         blocks = json.loads(metadata["0.blocks"])
         files, out = blocks["files"], dict(arrays)
 
@@ -237,16 +245,9 @@ class PromptBlockDir(PromptCacheDir):
             for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items()
             for s in suffixes
         ]
-        parts = {k: [found[files[j]][k] for j in range(n)] for k, n in keys}
-        if isinstance(parts[keys[0][0]][0], np.ndarray):  # read: host arrays
-
-            def join(k):  # on the host, by threads
-                return k, np.concatenate(parts[k], axis=2)
-
-            for k, x in self._block_threads().map(join, list(parts)):
-                parts[k] = [mx.array(x).view(arrays[k].dtype)]  # MLX once, here
-        for k, p in parts.items():
-            out[k] = mx.concatenate([*p, arrays[k]], axis=2)
+        for k, n in keys:  # on the device, one copy
+            parts = [found[files[j]][k] for j in range(n)]
+            out[k] = mx.concatenate([*parts, arrays[k]], axis=2)
         return out
 
     def _with_blocks(self, entry: tuple, header: dict, arrays: dict):
@@ -318,19 +319,21 @@ class PromptBlockDir(PromptCacheDir):
                             raise ValueError(f"its block {name} is not its layout")
                 if len(got) - 1 != sum(len(specs[str(i)]) for i, _ in held):
                     raise ValueError(f"its block {name} holds other arrays")
-                arrays = {}
-                self._read_arrays(fd, got, lambda k, d: arrays.update({k: (got[k], d)}))
+                data = self._read_arrays(fd, got)
             except (OSError, ValueError) as e:  # unsound: removed, written again
                 if getattr(e, "errno", None) in (None, *self.unreadable):
                     self._remove_unsound(name, st)
                 raise ValueError(f"block {name}: {e}") from None
             finally:
                 os.close(fd)
-            return name, arrays
+            return name, got, data
 
-        found = {}  # host arrays, joined per key by _join
-        for name, arrays in self._block_threads().map(lambda x: read(*x), want):
-            found[name] = {k: self._host(*x) for k, x in arrays.items()}
+        found = {}  # views of each file's data, copied to MLX whole
+        for name, got, data in self._block_threads().map(lambda x: read(*x), want):
+            data = mx.array(data)  # while the threads read the next
+            found[name] = {
+                k: self._slice(data, v) for k, v in got.items() if k != "__metadata__"
+            }
         return found
 
     def _block_threads(self):

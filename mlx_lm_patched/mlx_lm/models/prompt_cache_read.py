@@ -95,22 +95,31 @@ class PromptCacheReader:
             raise ValueError(f"{size} bytes where its header needs {8 + n + end}")
         return header, size
 
-    def _read_arrays(self, fd: int, header: dict, each):
-        """Call ``each(key, bytes)`` for each array of the entry file open on
-        ``fd`` (``header``, its checked header), in file order, each as soon
-        as it is read: ``read_threads`` threads read ``read_chunk`` bytes at
-        a time into preallocated numpy buffers and check each chunk: its
-        CRC-32 (zlib releases the GIL) and, for floats, that no exponent is
-        all ones (NaN or infinite). Raises ``ValueError`` where a float is
-        not finite and, once all are read, where their CRC-32 is not the
-        header's (``_write``'s: the arrays' bytes in sorted key order, chunks
-        joined as zlib's ``crc32_combine`` joins them)."""
+    def _read_arrays(self, fd: int, header: dict, each=None):
+        """The data of the entry file open on ``fd`` (``header``, its checked
+        header), a numpy buffer of bytes; with ``each``, ``each(key, bytes)``
+        is called for each array, in file order, as soon as it is read.
+        ``read_threads`` threads read its data in runs of
+        ``read_chunk`` bytes, across arrays, into one preallocated numpy
+        buffer (a block file of 64 arrays is one read), and CRC-32 each run
+        (zlib releases the GIL). Each float array is checked to have no
+        exponent all ones (NaN or infinite). Raises ``ValueError`` where one
+        has and, once all are read, where the CRC-32 is not the header's
+        (``_seal``'s: the arrays' bytes in sorted key order, which is file
+        order in the files ``_seal`` writes; others are CRC'd per array)."""
         from concurrent.futures import ThreadPoolExecutor, wait
 
         import numpy as np
 
         base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
         spans = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+        keys = sorted(spans)
+        ends = [0] + [spans[k][1] for k in keys]
+        sealed = [spans[k][0] for k in keys] == ends[:-1]  # sorted, contiguous
+        order = keys if sealed else sorted(spans, key=lambda k: spans[k])
+        size = max((stop for _, stop in spans.values()), default=0)
+        data = np.empty(size, np.uint8)
+        view, step = memoryview(data), self.read_chunk
         shifts = {}  # bytes -> _crc32_shift(bytes): a few sizes recur
 
         def combine(crc1, crc2, n):
@@ -126,49 +135,48 @@ class PromptCacheReader:
             "F64": np.array(0x7FF0000000000000, np.uint64),
         }
 
-        def read(key, view, at):
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], at + done)
+        def read(at, stop):
+            done = at
+            while done < stop:
+                n = os.preadv(fd, [view[done:stop]], base + done)
                 if n == 0:
                     raise ValueError("it was truncated while it was read")
                 done += n
-            exponent = floats.get(header[key]["dtype"])
-            if exponent is not None:
-                bits = np.frombuffer(view, exponent.dtype)
-                if (bits & exponent).max(initial=0) == exponent:
-                    raise ValueError(f"array {key} holds NaN or infinite values")
-            return zlib.crc32(view)
+            return zlib.crc32(view[at:stop])
 
         if self._pool[0] != self.read_threads:  # kept: threads take ms to start
             self._pool = (self.read_threads, ThreadPoolExecutor(self.read_threads))
-        pool, futures = self._pool[1], []
+        pool = self._pool[1]
+        runs = [
+            (i, min(i + step, size), pool.submit(read, i, min(i + step, size)))
+            for i in range(0, size, step)
+        ]
         try:
-            jobs, crcs = [], {}
-            for k, (start, stop) in sorted(spans.items(), key=lambda x: x[1]):
-                data = np.empty(stop - start, np.uint8)
-                view, step = memoryview(data), self.read_chunk
-                parts = [
-                    (pool.submit(read, k, view[i : i + step], base + start + i),
-                     len(view[i : i + step]))
-                    for i in range(0, len(data), step)
-                ]  # fmt: skip
-                jobs.append((k, data, parts))
-                futures += [part for part, _ in parts]
-            for i, (k, data, parts) in enumerate(jobs):
-                jobs[i], crcs[k] = None, 0  # its buffer freed once used
-                for part, n in parts:
-                    crcs[k] = combine(crcs[k], part.result(), n)
-                each(k, data)
+            run, crc = 0, 0
+            for k in order:
+                start, stop = spans[k]
+                while run < len(runs) and runs[run][0] < stop:  # read up to it
+                    at, end, part = runs[run]
+                    crc, run = combine(crc, part.result(), end - at), run + 1
+                exponent = floats.get(header[k]["dtype"])
+                if exponent is not None:
+                    bits = data[start:stop].view(exponent.dtype)
+                    if (bits & exponent).max(initial=0) == exponent:
+                        raise ValueError(f"array {k} holds NaN or infinite values")
+                if each is not None:
+                    each(k, data[start:stop])
         finally:  # on any error, no thread reads ``fd`` once this returns
-            for part in futures:
+            for _, _, part in runs:
                 part.cancel()
-            wait(futures)
-        crc = 0
-        for k in sorted(crcs):
-            crc = combine(crc, crcs[k], spans[k][1] - spans[k][0])
+            wait([part for _, _, part in runs])
+        if not sealed:  # not _seal's layout: the arrays' CRC-32s in key order
+            crc = 0
+            for k in keys:
+                start, stop = spans[k]
+                crc = combine(crc, zlib.crc32(view[start:stop]), stop - start)
         if crc != int(header["__metadata__"].get("0.crc32", "-1")):
             raise ValueError("its data does not match its CRC-32")
+        return data
 
     @staticmethod
     def _crc32_times(a: int, b: int):

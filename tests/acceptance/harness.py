@@ -99,6 +99,17 @@ def cells(pairs, xfail=None):
 
 
 TIMEOUT = 120  # seconds for one CLI run
+
+
+def needs_upstream():
+    """Skip where mlx-lm is the vendored wheel (``make vendor``): it has the
+    patches, so there is no upstream to run beside them."""
+    import mlx_lm
+
+    if "+patched." in mlx_lm.__version__:
+        pytest.skip(f"mlx-lm {mlx_lm.__version__} is the vendored wheel")
+
+
 # Lines printed at the end of the run (conftest's terminal summary).
 REPORT = []
 
@@ -107,6 +118,8 @@ def run(*argv, upstream=False, env=None, timeout=TIMEOUT):
     """Run ``python -m mlx_lm_patched.<argv[0]> argv[1:]`` (``mlx_lm.`` with
     ``upstream``, without importing mlx_lm_patched at all)."""
     front, *args = argv
+    if upstream:
+        needs_upstream()
     package = "mlx_lm" if upstream else "mlx_lm_patched"
     cmd = [sys.executable, "-m", f"{package}.{front}", *map(str, args)]
     done = subprocess.run(
@@ -189,6 +202,8 @@ class Server:
     ``upstream``) on 127.0.0.1, stopped by PID."""
 
     def __init__(self, model, *flags, log, upstream=False):
+        if upstream:
+            needs_upstream()
         self.port = free_port()
         self.log_path = Path(log)
         front = "mlx_lm.server" if upstream else "mlx_lm_patched.server"

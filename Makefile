@@ -9,7 +9,7 @@ comma := ,
 RUNTIME := $(filter cpu cuda12 cuda13,$(subst $(comma), ,$(EXTRAS)))
 SRC := mlx_lm_patched tools tests
 
-.PHONY: venv demo-venv demo test acceptance lint format bench patches check-patches vendor \
+.PHONY: venv demo-venv demo test acceptance acceptance-vendored lint format bench patches check-patches vendor \
 	upstream-test check-upstream fuzz soak
 
 ifeq ($(origin VENV),command line)
@@ -78,6 +78,15 @@ check-patches: venv
 
 vendor: venv
 	$(PYTHON) -m tools vendor $(if $(VERSION),--version $(VERSION))
+
+# The acceptance matrix on the vendored wheel: mlx-lm itself patched, the
+# patches not applied at import; what needs upstream beside it is skipped.
+acceptance-vendored: venv
+	rm -rf dist .vendored
+	$(PYTHON) -m tools vendor
+	$(PYTHON) -m pip install -q --no-deps --no-index --target .vendored dist/*.whl
+	PYTHONPATH=$(CURDIR)/.vendored:$(CURDIR) MLX_LM_PATCHED_APPLY=0 \
+		$(PYTHON) -m pytest -q -rxX -m acceptance tests/acceptance
 
 upstream-test: venv
 	$(PYTHON) -m tools test

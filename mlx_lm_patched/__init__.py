@@ -31,7 +31,6 @@ from .caches import (
     batch_quantized,
     batch_rotating_prealloc,
     batch_rotating_rows,
-    host_export,
     kvcache_pipeline,
     max_kv_size,
     negative_trim,
@@ -43,6 +42,7 @@ from .caches import (
 from .generation import batch_generator_kv_bits, generate_kv_checks, speculative_bounded
 from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
 from .prompt_cache import (
+    host_export,
     prompt_cache_blocks,
     prompt_cache_dir,
     prompt_cache_disk,

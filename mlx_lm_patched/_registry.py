@@ -188,7 +188,7 @@ class Patch:
     summary: str
     targets: List[Target] = field(default_factory=list)
     # Objects (``Target.name``) or patches this one needs besides the objects
-    # of other patches its code reads (``requirements``).
+    # of other patches its code reads (``_apply.requirements``).
     requires: Tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -19,19 +19,13 @@ except ImportError as e:  # MLX's Linux wheel without a back-end
         '`pip install "mlx-lm-patched[cpu]"` (or [cuda12], [cuda13])'
     ) from e
 
-from . import _registry
-from ._registry import (
-    UPSTREAM_VERSION,
-    PatchDriftError,
-    PatchDriftWarning,
-    fingerprint,
-    get_original,
-)
+from . import _apply, _registry
+from ._apply import PatchDriftError, PatchDriftWarning
+from ._registry import UPSTREAM_VERSION, fingerprint, get_original
 from .caches import (
     batch_quantized,
     batch_rotating_prealloc,
     batch_rotating_rows,
-    host_export,
     kvcache_pipeline,
     max_kv_size,
     negative_trim,
@@ -43,6 +37,7 @@ from .caches import (
 from .generation import batch_generator_kv_bits, generate_kv_checks, speculative_bounded
 from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
 from .prompt_cache import (
+    host_export,
     prompt_cache_blocks,
     prompt_cache_dir,
     prompt_cache_disk,
@@ -114,9 +109,9 @@ MODULES = (
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)
 FOLDERS: Dict[str, str] = {m.PATCH.name: m.__name__.split(".")[1] for m in MODULES}
-_registry.check_disjoint(PATCHES)
-_registry.check_requires(PATCHES)
-_registry.check_needs(PATCHES)
+_apply.check_disjoint(PATCHES)
+_apply.check_requires(PATCHES)
+_apply.check_needs(PATCHES)
 
 
 def _select(names) -> List[_registry.Patch]:
@@ -129,14 +124,14 @@ def _select(names) -> List[_registry.Patch]:
 
 def apply(*names: str, strict: bool = False) -> List[str]:
     """Apply all (or the named) patches; idempotent. Returns the applied names."""
-    return _registry.apply_patches(_select(names), strict=strict)
+    return _apply.apply_patches(_select(names), strict=strict)
 
 
 def revert(*names: str) -> List[str]:
     """Restore the exact upstream objects of all (or the named) patches, and
     of the applied patches that need them (with a warning naming those).
     Returns the names reverted."""
-    reverted = _registry.revert_patches(_select(names))
+    reverted = _apply.revert_patches(_select(names))
     if names and set(reverted) - set(names):
         warnings.warn(
             f"mlx_lm_patched: reverting {list(names)} also reverted "
@@ -150,13 +145,13 @@ def status() -> Dict[str, dict]:
     """Per patch: applied, what it needs, the mlx-lm it targets, and where
     the installed one differs: the objects merged onto other source, or why
     the patch is set aside."""
-    installed = _registry.installed_version()
+    installed = _apply.installed_version()
     return {
         p.name: {
-            "applied": _registry.is_applied(p.name),
+            "applied": _apply.is_applied(p.name),
             "folder": FOLDERS.get(p.name, ""),
             "summary": p.summary,
-            "requires": _registry.requirements(p),
+            "requires": _apply.requirements(p),
             "written_for": UPSTREAM_VERSION,
             "installed": installed,
             "drift": [d for t in p.targets if (d := t.drift())],

@@ -5,11 +5,9 @@ an upstream class or module, the object that replaces it, and the source
 fingerprint of the upstream object it was written against (``None`` for an
 attribute upstream does not have), read from ``bases.json`` (``_merge``).
 Where the installed source differs, our change is merged onto it three ways;
-a target that cannot be merged is never overridden silently: the patch is
-set aside with a ``PatchDriftWarning`` (``PatchDriftError`` with
-``strict=True``), and so are the patches that need an object it provides.
-A patch's new module-level helpers stay installed for the patches that use
-them. A module upstream does not have is one of ours (``_newmods``).
+a target that cannot be merged says why (``MergeConflict``), and its patch
+is set aside (``_apply``). A module upstream does not have is one of ours
+(``_newmods``).
 
 A target may also be an ``Edit``: a diff of the function as the patches
 before it leave it (upstream's, else theirs), applied when it is installed.
@@ -23,12 +21,10 @@ import inspect
 import re
 import sys
 import types
-import warnings
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import _merge, _newmods, _reads
+from . import _merge, _newmods
 from ._merge import (
     MergeConflict,
     _global_reads,
@@ -40,14 +36,6 @@ from ._merge import (
 )
 
 UPSTREAM_VERSION = "0.32.2"
-
-
-class PatchDriftWarning(UserWarning):
-    """An upstream object a patch replaces is not the one it was written for."""
-
-
-class PatchDriftError(RuntimeError):
-    """Raised instead of ``PatchDriftWarning`` when applying with ``strict=True``."""
 
 
 _MISSING = object()
@@ -200,7 +188,7 @@ class Patch:
     summary: str
     targets: List[Target] = field(default_factory=list)
     # Objects (``Target.name``) or patches this one needs besides the objects
-    # of other patches its code reads (``requirements``).
+    # of other patches its code reads (``_apply.requirements``).
     requires: Tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -355,10 +343,6 @@ _installed: Dict[Tuple[str, str], Any] = {}
 # (owner, attr) -> the targets installed there and their objects, bottom first
 # (a replacement or an edit of upstream's, then the edits stacked on it)
 _stack: Dict[Tuple[str, str], List[Tuple[Target, Any]]] = {}
-# Per patch with anything installed, in apply order: its installed targets.
-_patches: Dict[str, List[Target]] = {}
-_applied: Dict[str, Patch] = {}  # the patches installed whole
-_merged: Dict[str, List[str]] = {}  # per applied patch, its targets merged
 
 
 def _importers(owner, attr: str, obj) -> List[Any]:
@@ -372,7 +356,9 @@ def _importers(owner, attr: str, obj) -> List[Any]:
     ]
 
 
-def _set(target: Target, new: Any):
+def install(target: Target, new: Any):
+    """Put ``new`` at ``target``, a layer on what the patches before left
+    there; the upstream object is saved under the first."""
     if any(t is target for t, _ in _stack.get(target.key, ())):
         return
     new = _newmods.materialize(target.attr, new)
@@ -395,7 +381,9 @@ def _set(target: Target, new: Any):
         setattr(owner, target.attr, new)
 
 
-def _unset(target: Target):
+def uninstall(target: Target):
+    """Take ``target``'s layer off: the one under it comes back, else
+    upstream's."""
     layers = _stack[target.key]
     new = layers.pop()[1]  # reverted last applied first: the top one
     if layers:  # the layer under it comes back
@@ -423,213 +411,3 @@ def get_original(owner: str, attr: str) -> Any:
     if found is _MISSING:
         raise AttributeError(f"{owner}.{attr} has no upstream original")
     return found
-
-
-def is_applied(name: str) -> bool:
-    return name in _applied
-
-
-def installed_version() -> str:
-    return version("mlx-lm")
-
-
-def check_disjoint(patches: List[Patch]):
-    """Raise if two patches replace the same attribute, or one targets an
-    attribute twice: a later patch may only stack an ``Edit`` on it."""
-    owners: Dict[Tuple[str, str], str] = {}
-    for patch in patches:
-        keys = [t.key for t in patch.targets]
-        for t in patch.targets:
-            other = owners.setdefault(t.key, patch.name)
-            if keys.count(t.key) > 1 or (
-                other != patch.name and not isinstance(t.new, Edit)
-            ):
-                raise ValueError(
-                    f"patches {other!r} and {patch.name!r} both replace "
-                    f"{t.owner}.{t.attr}"
-                )
-
-
-def check_requires(patches: List[Patch]):
-    """Raise if a patch requires what no patch before it provides."""
-    known: set = set()
-    for patch in patches:
-        unknown = [r for r in patch.requires if r not in known]
-        if unknown:
-            raise ValueError(f"patch {patch.name!r} requires unknown {unknown}")
-        known |= {patch.name} | {t.name for t in patch.targets}
-
-
-def check_needs(patches: List[Patch]):
-    """Raise if a patch's code reads an object (a global name, a class
-    attribute) that only a later patch provides (``_reads.check_order``)."""
-    _reads.check_order(
-        patches, lambda p: _needs(p.targets) + sorted(_attribute_needs(p.targets))
-    )
-
-
-def _is_helper(t: Target) -> bool:
-    """A new module-level object that is not a class: inert until called, it
-    stays installed for the patches that use it when its own patch cannot."""
-    added = ":" not in t.owner and t.fingerprint is None
-    lazy = isinstance(t.new, Edit) or _newmods.lazy(t.new)
-    return added and not inspect.isclass(t.new) and not lazy
-
-
-def _needs(targets: List[Target]) -> List[str]:
-    """The objects (``Target.name``) other patches add that ``targets``' code
-    reads as global names."""
-    out = set()
-    for t in targets:
-        if isinstance(t.new, Edit):
-            module = t.owner.partition(":")[0]
-            reads = _adds.get(module, set()) & t.new.reads()
-            out.update(_merge.base_key(module, n) for n in reads)
-        for fn in functions(t.new):
-            module = fn.__globals__.get("__name__")
-            added = _adds.get(module, set()) & _names(fn.__code__)
-            out.update(
-                _merge.base_key(module, n) for n in added & _global_reads(fn.__code__)
-            )
-        out.update(_newmods.needs(_adds, t.new))
-    return sorted(out - {t.name for t in targets})
-
-
-def _upstream(owner: str, cls: type) -> Dict[str, Any]:
-    """``cls``'s attributes (its ``vars``) as upstream defines them."""
-    found = {**vars(cls), **{a: v for (o, a), v in _saved.items() if o == owner}}
-    return {a: v for a, v in found.items() if v is not _MISSING}
-
-
-def _attribute_needs(targets: List[Target]) -> set:
-    """The class attributes ``targets``' code reads that other patches add
-    (``_reads.attribute_needs``)."""
-    upstream = _reads.upstream_fields(frozenset(_modules), _upstream)
-    return _reads.attribute_needs(targets, _fields, upstream)
-
-
-def requirements(patch: Patch) -> List[str]:
-    """What ``patch`` needs: its ``requires`` (patches or objects, by name)
-    and the objects of other patches its code reads (global names and class
-    attributes; its helpers alone read only their arguments' attributes)."""
-    needs = set(_needs(patch.targets)) | _attribute_needs(patch.targets)
-    return sorted(set(patch.requires) | needs)
-
-
-def _is_installed(name: str) -> bool:
-    """A patch installed whole, or an object (``Target.name``) installed."""
-    return name in _applied or any(_merge.base_key(*k) == name for k in _installed)
-
-
-def apply_patches(patches: List[Patch], strict: bool = False) -> List[str]:
-    """Apply ``patches`` in order; return the names that are applied now.
-
-    A patch whose targets cannot all be installed (a conflict with the
-    installed upstream, a name it uses gone, an object it needs not
-    installed) is set aside whole with one warning saying why; its helpers
-    (``_is_helper``) stay installed where their own needs are met."""
-    check_disjoint(
-        list(_applied.values()) + [p for p in patches if p.name not in _applied]
-    )
-    below: Dict[Tuple[str, str], List[str]] = {}  # the patches targeting a key
-    for patch in patches:
-        stacks_on = {
-            name: t
-            for t in patch.targets
-            for name in below.get(t.key, ())
-            if isinstance(t.new, Edit)
-        }
-        for t in patch.targets:
-            below.setdefault(t.key, []).append(patch.name)
-        if patch.name in _applied:
-            continue
-        resolved, problems, helper_problems = {}, [], []
-        helpers = [t for t in patch.targets if _is_helper(t)]
-        for t in patch.targets:
-            try:
-                resolved[t.key] = t.resolve()
-            except MergeConflict as e:
-                (helper_problems if t in helpers else problems).append(str(e))
-        problems += helper_problems + patch.unbound()
-        own = {t.name for t in patch.targets}
-        problems += [
-            f"needs {r}, which is not applied"
-            for r in requirements(patch)
-            if r not in own and not _is_installed(r)
-        ]
-        problems += [
-            f"edits {t.name} as patch {name!r} leaves it, which is not applied"
-            for name, t in stacks_on.items()
-            if name not in _applied
-        ]
-        # Alone, the helpers must find what they read installed already.
-        helper_problems += [r for r in _needs(helpers) if not _is_installed(r)]
-        if problems:
-            msg = (
-                f"mlx_lm_patched: patch {patch.name!r} not applied "
-                f"(written for mlx-lm {UPSTREAM_VERSION}, installed "
-                f"{installed_version()}): " + "; ".join(problems)
-            )
-            if strict:
-                raise PatchDriftError(msg)
-            if helpers and not helper_problems:
-                for t in helpers:
-                    if t.key not in _installed:
-                        _set(t, resolved[t.key][0])
-                _patches[patch.name] = helpers
-                msg += f" (its helpers {[t.attr for t in helpers]} stay installed)"
-            warnings.warn(msg, PatchDriftWarning, stacklevel=3)
-            continue
-        for t in patch.targets:
-            _set(t, resolved[t.key][0])
-        _patches[patch.name] = list(patch.targets)
-        _applied[patch.name] = patch
-        _merged[patch.name] = [
-            t.name for t in patch.targets if resolved[t.key][1] == "merged"
-        ]
-    return list(_applied)
-
-
-def dependents(names) -> List[str]:
-    """The installed patches that need any of ``names`` or of the objects
-    they provide, directly or not, or that stack an edit on one of those."""
-    gone = set(names)
-    for name in names:
-        gone.update(t.name for t in _patches.get(name, ()))
-    found = []
-    for name, targets in _patches.items():  # in apply order
-        patch = _applied.get(name)
-        needs = set(requirements(patch) if patch else _needs(targets))
-        if name not in gone and (needs & gone or _stacked_on(targets, gone)):
-            found.append(name)
-            gone.add(name)
-            gone.update(t.name for t in targets)
-    return found
-
-
-def _stacked_on(targets: List[Target], gone: set) -> bool:
-    """Whether an edit among ``targets`` is installed on a layer of a patch
-    in ``gone``."""
-    for t in targets:
-        layers = [s for s, _ in _stack.get(t.key, ())]
-        mine = next((i for i, s in enumerate(layers) if s is t), 0)
-        if any(p in gone for s in layers[:mine] for p in _owner_of(s)):
-            return True
-    return False
-
-
-def _owner_of(target: Target) -> List[str]:
-    return [n for n, ts in _patches.items() if any(t is target for t in ts)]
-
-
-def revert_patches(patches: List[Patch]) -> List[str]:
-    """Put back the upstream objects, last applied first; patches that need
-    a reverted one are reverted with it. Returns the names reverted."""
-    names = [p.name for p in patches if p.name in _patches]
-    names += dependents(names)
-    for name in reversed([n for n in _patches if n in names]):
-        for t in reversed(_patches.pop(name)):
-            _unset(t)
-        _applied.pop(name, None)
-        _merged.pop(name, None)
-    return names

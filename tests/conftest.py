@@ -10,12 +10,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_lm_patched
-from mlx_lm_patched import _registry
+from mlx_lm_patched import _apply
 from mlx_lm_patched.demo import tiny
 
 
 def applied_patches():
-    return [p.name for p in mlx_lm_patched.PATCHES if _registry.is_applied(p.name)]
+    return [p.name for p in mlx_lm_patched.PATCHES if _apply.is_applied(p.name)]
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from mlx_lm import batch_generate, load, server, stream_generate
 from mlx_lm.models import cache
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_lm_patched import _registry
+from mlx_lm_patched import _apply
 
 model, tokenizer = load(sys.argv[1])
 prompt = list(range(5, 70))
@@ -58,8 +58,8 @@ except SystemExit:
     pass
 mx.eval(mx.zeros(1))
 result.update(
-    applied=[p.name for p in mlx_lm_patched.PATCHES if _registry.is_applied(p.name)],
-    merged=sorted(n for names in _registry._merged.values() for n in names),
+    applied=[p.name for p in mlx_lm_patched.PATCHES if _apply.is_applied(p.name)],
+    merged=sorted(n for names in _apply._merged.values() for n in names),
     ran=sorted(mlx_lm._simulated),
     warnings=[str(w.message) for w in caught],
     mlx_lm=mlx_lm.__file__,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mlx_lm_patched
-from mlx_lm_patched import _merge, _registry
+from mlx_lm_patched import _apply, _merge, _registry
 from mlx_lm_patched.demo import tiny
 from tools.simulate import changed_sources, simulated_release
 
@@ -201,7 +201,7 @@ def test_a_merged_method_using_super_is_bound_to_its_class():
 
 def test_bases_rebuild_the_pinned_source_of_every_replaced_object():
     """``bases.json`` is in step with the code (``python -m tools patches``)."""
-    if _registry.installed_version() != _registry.UPSTREAM_VERSION:
+    if _apply.installed_version() != _registry.UPSTREAM_VERSION:
         pytest.skip("bases.json is checked against the pinned release")
     from tools.bases import render
 

@@ -21,7 +21,7 @@ STATE = """
 import importlib
 import json
 import mlx_lm_patched
-from mlx_lm_patched import _registry
+from mlx_lm_patched import _apply, _registry
 
 def upstream(t):
     try:
@@ -33,7 +33,7 @@ def upstream(t):
     return getattr(owner, t.attr, None) is not _registry._installed.get(t.key, t.new)
 
 print(json.dumps({
-    p.name: [_registry.is_applied(p.name), all(upstream(t) for t in p.targets)]
+    p.name: [_apply.is_applied(p.name), all(upstream(t) for t in p.targets)]
     for p in mlx_lm_patched.PATCHES
 }))
 """

@@ -3,7 +3,7 @@ what stays applied keeps working (a generate call, a batch, a server
 request, a cache file), or is taken away with it.
 
 A patch must not read what another patch provides without needing it
-(``_registry.requirements``: global names, class attributes, ``requires``);
+(``_apply.requirements``: global names, class attributes, ``requires``);
 a need missed here fails one of these runs with an ``AttributeError`` or a
 ``NameError`` (as ``BatchRotatingKVCache.nbytes`` reading
 ``row_checkpoints`` of ``batch_rotating_rows`` did).
@@ -17,7 +17,7 @@ import pytest
 from ringref import cli_args, generation_args
 
 import mlx_lm_patched
-from mlx_lm_patched import PatchDriftWarning, _registry
+from mlx_lm_patched import PatchDriftWarning, _apply, _registry
 from mlx_lm_patched._merge import MergeConflict
 
 NAMES = [p.name for p in mlx_lm_patched.PATCHES]
@@ -126,7 +126,7 @@ def test_a_patch_reverted_alone_leaves_the_rest_working(
         warnings.simplefilter("ignore")  # the ones that need it go too
         reverted = mlx_lm_patched.revert(name)
     assert reverted[0] == name
-    assert set(_registry.dependents([name])) <= set(reverted)
+    assert set(_apply.dependents([name])) <= set(reverted)
     smoke(models, load_tiny, tmp_path, upstream_fails)
 
 
@@ -138,7 +138,7 @@ def test_a_patch_set_aside_by_a_drifting_release_leaves_the_rest_working(
     mlx-lm release changed its lines: it is set aside, with the patches
     that need it; the rest apply and work."""
     targets = BY_NAME[name].targets
-    changed = next((t for t in targets if not _registry._is_helper(t)), targets[0])
+    changed = next((t for t in targets if not _apply._is_helper(t)), targets[0])
     resolve = _registry.Target.resolve
 
     def drifted(target):
@@ -153,7 +153,7 @@ def test_a_patch_set_aside_by_a_drifting_release_leaves_the_rest_working(
     assert name not in applied
     aside = set(NAMES) - set(applied)
     for other in aside - {name}:  # set aside for what it needs or edits on top of
-        needs = set(_registry.requirements(BY_NAME[other])) & provided(aside)
+        needs = set(_apply.requirements(BY_NAME[other])) & provided(aside)
         assert needs or stacked_on(other, aside - {other})
     smoke(models, load_tiny, tmp_path, upstream_fails)
 

@@ -19,9 +19,9 @@ import mlx_lm_patched
 from mlx_lm_patched import (
     PatchDriftError,
     PatchDriftWarning,
+    _apply,
     _merge,
     _newmods,
-    _reads,
     _registry,
 )
 from mlx_lm_patched.caches import rotating_prealloc
@@ -102,7 +102,7 @@ def probe():
         "test_probe", "test only", _registry.class_patch(OWNER, Probe, prints)
     )
     yield patch
-    _registry.revert_patches([patch])
+    _apply.revert_patches([patch])
     assert ChunkedKVCache.__dict__["maybe_trim_front"] is original
     assert "added_by_probe" not in ChunkedKVCache.__dict__
     assert "from_state" not in ChunkedKVCache.__dict__
@@ -142,7 +142,7 @@ def check_round_trip(patches, apply, revert):
             if found is not MISSING:
                 assert _registry.get_original(t.owner, t.attr) is found
         for p in patches:
-            assert _registry.is_applied(p.name)
+            assert _apply.is_applied(p.name)
         revert()
         assert snapshot(patches) == original
         for t in all_targets(patches):
@@ -151,7 +151,7 @@ def check_round_trip(patches, apply, revert):
             if obj is not MISSING:
                 assert _registry.get_original(t.owner, t.attr) is obj
         for p in patches:
-            assert not _registry.is_applied(p.name)
+            assert not _apply.is_applied(p.name)
 
 
 def test_apply_revert_apply_restores_the_exact_upstream_objects():
@@ -163,17 +163,17 @@ def test_apply_revert_apply_restores_the_exact_upstream_objects():
 def test_probe_apply_revert_apply_restores_the_exact_upstream_objects(probe):
     check_round_trip(
         [probe],
-        lambda: _registry.apply_patches([probe], strict=True),
-        lambda: _registry.revert_patches([probe]),
+        lambda: _apply.apply_patches([probe], strict=True),
+        lambda: _apply.revert_patches([probe]),
     )
     assert not hasattr(ChunkedKVCache, "added_by_probe")
 
 
 def test_get_original_is_the_same_object_patched_or_not(probe):
     stored = raw(ChunkedKVCache, "from_state")
-    _registry.apply_patches([probe], strict=True)
+    _apply.apply_patches([probe], strict=True)
     assert _registry.get_original(OWNER, "from_state") is stored
-    _registry.revert_patches([probe])
+    _apply.revert_patches([probe])
     assert _registry.get_original(OWNER, "from_state") is stored
 
 
@@ -197,12 +197,12 @@ def test_module_target_rebinds_the_importers_and_restores_them():
     )
     patch = _registry.Patch("test_module_probe", "test only", [target])
     try:
-        _registry.apply_patches([patch], strict=True)
+        _apply.apply_patches([patch], strict=True)
         assert getattr(cache_module, name) is target.new
         assert getattr(generate_module, name) is target.new
         assert _registry.get_original("mlx_lm.models.cache", name) is original
     finally:
-        _registry.revert_patches([patch])
+        _apply.revert_patches([patch])
     assert getattr(cache_module, name) is original
     assert getattr(generate_module, name) is original
 
@@ -232,7 +232,7 @@ def test_real_patches_match_the_installed_upstream():
     assert set(status) == {p.name for p in mlx_lm_patched.PATCHES}
     for name, s in status.items():
         assert s["drift"] == [], name
-        assert s["written_for"] == _registry.installed_version() == s["installed"]
+        assert s["written_for"] == _apply.installed_version() == s["installed"]
         assert s["applied"], name
 
 
@@ -249,7 +249,7 @@ def test_drift_warns_and_leaves_upstream_unchanged(upstream_changed):
     with pytest.warns(PatchDriftWarning, match="test_probe"):
         applied = mlx_lm_patched.apply()
     assert "test_probe" not in applied
-    assert not _registry.is_applied("test_probe")
+    assert not _apply.is_applied("test_probe")
     assert snapshot([upstream_changed]) == before
 
 
@@ -257,7 +257,7 @@ def test_drift_raises_with_strict_and_leaves_upstream_unchanged(upstream_changed
     before = snapshot([upstream_changed])
     with pytest.raises(PatchDriftError, match="test_probe"):
         mlx_lm_patched.apply("test_probe", strict=True)
-    assert not _registry.is_applied("test_probe")
+    assert not _apply.is_applied("test_probe")
     assert snapshot([upstream_changed]) == before
 
 
@@ -279,7 +279,7 @@ def test_patch_whose_requirement_is_missing_is_not_applied(probe):
     needy = _registry.Patch("test_needy", "test only", probe.targets, ("absent",))
     before = snapshot([needy])
     with pytest.warns(PatchDriftWarning, match="absent"):
-        assert "test_needy" not in _registry.apply_patches([needy])
+        assert "test_needy" not in _apply.apply_patches([needy])
     assert snapshot([needy]) == before
     assert not hasattr(ChunkedKVCache, "added_by_probe")
 
@@ -293,10 +293,10 @@ def test_patch_is_not_applied_when_its_requirement_drifted(upstream_changed):
     )
     try:
         with pytest.warns(PatchDriftWarning):
-            applied = _registry.apply_patches([upstream_changed, needy])
+            applied = _apply.apply_patches([upstream_changed, needy])
         assert "test_needy" not in applied
     finally:
-        _registry.revert_patches([needy])
+        _apply.revert_patches([needy])
 
 
 def test_class_patch_requires_a_fingerprint_for_every_attribute():
@@ -307,18 +307,18 @@ def test_class_patch_requires_a_fingerprint_for_every_attribute():
 def test_two_patches_on_one_attribute_are_refused(probe):
     twin = _registry.Patch("test_twin", "test only", probe.targets[:1])
     with pytest.raises(ValueError, match="test_probe.*test_twin.*maybe_trim_front"):
-        _registry.apply_patches([probe, twin])
-    assert not _registry.is_applied("test_probe")
-    assert not _registry.is_applied("test_twin")
+        _apply.apply_patches([probe, twin])
+    assert not _apply.is_applied("test_probe")
+    assert not _apply.is_applied("test_twin")
 
 
 def test_the_first_original_is_kept_when_a_target_is_set_again(probe):
     original = ChunkedKVCache.__dict__["maybe_trim_front"]
     target = next(t for t in probe.targets if t.attr == "maybe_trim_front")
-    _registry.apply_patches([probe], strict=True)
-    _registry._set(target, target.new)  # as a second patch of the same one would
+    _apply.apply_patches([probe], strict=True)
+    _registry.install(target, target.new)  # as a second patch of the same one would
     assert _registry.get_original(OWNER, "maybe_trim_front") is original
-    _registry.revert_patches([probe])
+    _apply.revert_patches([probe])
     assert ChunkedKVCache.__dict__["maybe_trim_front"] is original
 
 
@@ -326,7 +326,7 @@ def test_reverting_a_patch_reverts_the_patches_that_need_it():
     from mlx_lm.models.cache import BatchRotatingKVCache
 
     mlx_lm_patched.apply()
-    needs = _registry.dependents(["rotating_prealloc"])
+    needs = _apply.dependents(["rotating_prealloc"])
     assert "batch_rotating_prealloc" in needs and "quantized_ring" in needs
     with pytest.warns(UserWarning, match="batch_rotating_prealloc"):
         reverted = mlx_lm_patched.revert("rotating_prealloc")
@@ -356,7 +356,7 @@ def test_a_name_upstream_lacks_keeps_the_patch_off(probe):
         _registry.class_patch(OWNER, Renamed, {"reads_renamed": None}),
     )
     with pytest.warns(PatchDriftWarning, match=r"\['renamed_upstream'\]"):
-        assert "test_reader" not in _registry.apply_patches([reader])
+        assert "test_reader" not in _apply.apply_patches([reader])
     assert "reads_renamed" not in ChunkedKVCache.__dict__
 
 
@@ -374,7 +374,7 @@ def test_another_installed_version_with_unchanged_sources_still_applies(monkeypa
     """The version is only reported: fingerprints decide. An mlx-lm release
     whose patched objects are unchanged gets the patches, and ``status``
     shows both versions."""
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    monkeypatch.setattr(_apply, "installed_version", lambda: "0.99.0")
     mlx_lm_patched.revert()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -387,12 +387,12 @@ def test_another_installed_version_with_unchanged_sources_still_applies(monkeypa
 def test_another_installed_version_with_changed_sources_is_named_in_the_error(
     monkeypatch,
 ):
-    monkeypatch.setattr(_registry, "installed_version", lambda: "0.99.0")
+    monkeypatch.setattr(_apply, "installed_version", lambda: "0.99.0")
     mlx_lm_patched.revert()
     with pytest.raises(
         PatchDriftError, match="written for mlx-lm 0.32.2, installed 0.99.0"
     ):
-        _registry.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
+        _apply.apply_patches([drifted(rotating_prealloc.PATCH)], strict=True)
 
 
 class ReadsProbe:
@@ -408,24 +408,24 @@ def test_an_attribute_only_another_patch_adds_is_a_need(probe):
         "test only",
         _registry.class_patch(OWNER, ReadsProbe, {"reads_probe": None}),
     )
-    assert f"{OWNER}.added_by_probe" in _registry.requirements(reader)
-    _registry.check_needs([probe, reader])
+    assert f"{OWNER}.added_by_probe" in _apply.requirements(reader)
+    _apply.check_needs([probe, reader])
     with pytest.raises(ValueError, match="added_by_probe.*of later patches"):
-        _registry.check_needs([reader, probe])
+        _apply.check_needs([reader, probe])
     # Alone it is set aside; reverting what it reads takes it along.
     with pytest.warns(PatchDriftWarning, match="added_by_probe, which is not"):
-        assert _registry.apply_patches([reader]) == list(_registry._applied)
+        assert _apply.apply_patches([reader]) == list(_apply._applied)
     assert "reads_probe" not in ChunkedKVCache.__dict__
-    _registry.apply_patches([probe, reader])
+    _apply.apply_patches([probe, reader])
     try:
-        assert _registry.revert_patches([probe]) == ["test_probe", "test_attr_reader"]
+        assert _apply.revert_patches([probe]) == ["test_probe", "test_attr_reader"]
     finally:
-        _registry.revert_patches([reader])
+        _apply.revert_patches([reader])
     assert "reads_probe" not in ChunkedKVCache.__dict__
 
 
 def test_attributes_off_the_bytecode_are_what_dis_says():
-    """``_reads.attributes`` reads attribute loads and stores off
+    """``_apply.attributes`` reads attribute loads and stores off
     ``co_code``; for every patched function it must equal ``dis``'s answer."""
     import dis
     import types
@@ -451,12 +451,12 @@ def test_attributes_off_the_bytecode_are_what_dis_says():
         for fn in _merge.functions(t.new)
     ]
     for code in codes:
-        assert _reads.attributes(code) == reference(code), code.co_qualname
+        assert _apply.attributes(code) == reference(code), code.co_qualname
 
 
 def test_no_patch_reads_what_a_later_patch_adds():
     """Every patch's needs, attributes included, come before it."""
-    _registry.check_needs(mlx_lm_patched.PATCHES)
+    _apply.check_needs(mlx_lm_patched.PATCHES)
 
 
 def test_global_reads_off_the_bytecode_are_what_dis_says():
@@ -571,7 +571,7 @@ def stacked(probe):
         for name, diff in (("test_first", FIRST), ("test_second", SECOND))
     )
     yield first, second
-    _registry.revert_patches([first, second])
+    _apply.revert_patches([first, second])
     assert ChunkedKVCache.__dict__["maybe_trim_front"] is original
 
 
@@ -583,29 +583,29 @@ def trimmed_front():
 
 def test_an_edit_changes_upstream_s_source_and_shows_it_in_tracebacks(stacked):
     first, _ = stacked
-    _registry.apply_patches([first], strict=True)
+    _apply.apply_patches([first], strict=True)
     assert trimmed_front() == ["first"]
     method = ChunkedKVCache.__dict__["maybe_trim_front"]
     assert method.__qualname__ == "ChunkedKVCache.maybe_trim_front"
     assert '    self.edited = ["first"]\n' in _registry.source_of(method)
     assert first.targets[0].drift() is None
-    _registry.revert_patches([first])
+    _apply.revert_patches([first])
     assert trimmed_front() is None
 
 
 def test_stacked_edits_apply_in_order_and_popping_one_pops_those_on_it(stacked):
     first, second = stacked
-    assert _registry.apply_patches([first, second], strict=True)[-2:] == [
+    assert _apply.apply_patches([first, second], strict=True)[-2:] == [
         "test_first",
         "test_second",
     ]
     assert trimmed_front() == ["first", "second"]
     assert second.targets[0].drift() is None and first.targets[0].drift() is None
-    assert _registry.revert_patches([second]) == ["test_second"]
+    assert _apply.revert_patches([second]) == ["test_second"]
     assert trimmed_front() == ["first"]
-    _registry.apply_patches([second], strict=True)
-    assert _registry.dependents(["test_first"]) == ["test_second"]
-    assert set(_registry.revert_patches([first])) == {"test_first", "test_second"}
+    _apply.apply_patches([second], strict=True)
+    assert _apply.dependents(["test_first"]) == ["test_second"]
+    assert set(_apply.revert_patches([first])) == {"test_first", "test_second"}
     assert trimmed_front() is None
 
 
@@ -620,14 +620,14 @@ def test_an_edit_whose_lines_upstream_changed_is_set_aside_with_what_stacks_on_i
 
     monkeypatch.setattr(ChunkedKVCache, "maybe_trim_front", maybe_trim_front)
     with pytest.warns(PatchDriftWarning) as caught:
-        _registry.apply_patches([first, second])
+        _apply.apply_patches([first, second])
     text = "\n".join(str(w.message) for w in caught)
     assert (
         "ChunkedKVCache.maybe_trim_front: hunk 1" in text and "no longer found" in text
     )
     assert "as patch 'test_first' leaves it, which is not applied" in text
-    assert not _registry.is_applied("test_first")
-    assert not _registry.is_applied("test_second")
+    assert not _apply.is_applied("test_first")
+    assert not _apply.is_applied("test_second")
     assert ChunkedKVCache.__dict__["maybe_trim_front"] is maybe_trim_front
 
 
@@ -639,14 +639,14 @@ def test_an_edit_merges_onto_other_source_where_its_lines_are_unchanged(
     src = src.replace("        return\n", "        return 'new release'\n")
     new = _merge.compile_merged(src, {}, None, "maybe_trim_front", "next release")
     monkeypatch.setattr(ChunkedKVCache, "maybe_trim_front", new)
-    _registry.apply_patches([first, second], strict=True)
+    _apply.apply_patches([first, second], strict=True)
     assert trimmed_front() == ["first", "second"]
     assert ChunkedKVCache(chunk_size=4).maybe_trim_front() == "new release"
     assert first.targets[0].drift().endswith("merged")
-    _registry.revert_patches([first, second])  # before monkeypatch puts it back
+    _apply.revert_patches([first, second])  # before monkeypatch puts it back
 
 
 def test_a_replacement_on_an_edited_attribute_is_refused(stacked, probe):
     first, _ = stacked
     with pytest.raises(ValueError, match="test_first.*test_probe.*maybe_trim_front"):
-        _registry.check_disjoint([first, probe])
+        _apply.check_disjoint([first, probe])

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.cache import _BaseCache
 
 import mlx_lm_patched
-from mlx_lm_patched import _newmods, _registry
+from mlx_lm_patched import _apply, _newmods, _registry
 from mlx_lm_patched._registry import REMOVED, Patch, Target, class_patch
 from tools import rewrite, testedits
 from tools.check import added_tests_alone, check_patches, check_uses
@@ -185,7 +185,7 @@ def test_generated_series_applies_and_runs_like_the_monkeypatch(sdist, tmp_path)
     vendored = _load_patched_cache(tree)
     mlx_lm_patched.revert()
     try:
-        _registry.apply_patches(patches, strict=True)
+        _apply.apply_patches(patches, strict=True)
         for k in (1, 5, 300):
             a, b = vendored.KVCache(), upstream_cache.KVCache()
             x = mx.arange(2 * k * 4, dtype=mx.float32).reshape(1, 2, k, 4)
@@ -197,7 +197,7 @@ def test_generated_series_applies_and_runs_like_the_monkeypatch(sdist, tmp_path)
             assert all(mx.array_equal(p, q) for p, q in zip(a.state, b.state))
             assert "nbytes" not in vars(type(a)) and "nbytes" not in vars(type(b))
     finally:
-        _registry.revert_patches(patches)
+        _apply.revert_patches(patches)
         mlx_lm_patched.apply()
 
 

@@ -237,4 +237,5 @@ def test_project_wheel_ships_only_the_runtime_package(tmp_path):
     # the files of the modules patches add to mlx-lm
     assert "mlx_lm_patched/mlx_lm/models/prompt_cache_disk.py" in names
     assert "mlx_lm_patched/mlx_lm/kernels/quantized_decode.py" in names
+    assert "mlx_lm_patched/mlx_lm/server_prompt_cache.py" in names
     assert not [n for n in names if "upstream" in n or "tools" in n]

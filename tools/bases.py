@@ -7,14 +7,14 @@ An object changed by edits only has no delta: its edits are the change."""
 import json
 from typing import Dict, Sequence
 
-from mlx_lm_patched import _merge, _registry
+from mlx_lm_patched import _apply, _merge, _registry
 from mlx_lm_patched._registry import REMOVED, UPSTREAM_VERSION, Edit, Patch
 
 
 def bases_of(patches: Sequence[Patch]) -> Dict[str, dict]:
     """``{Target.name: {"fingerprint", "delta"}}`` read off the installed
     mlx-lm, which must be the pinned release."""
-    installed = _registry.installed_version()
+    installed = _apply.installed_version()
     if installed != UPSTREAM_VERSION:
         raise RuntimeError(
             f"bases.json is written from mlx-lm {UPSTREAM_VERSION}; {installed} "

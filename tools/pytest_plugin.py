@@ -30,9 +30,9 @@ def pytest_configure(config):
     applied = []
     if os.environ.get(MONKEYPATCH_ENV) == "1":
         import mlx_lm_patched
-        from mlx_lm_patched import _registry
+        from mlx_lm_patched import _apply
 
-        applied = list(_registry._applied)
+        applied = list(_apply._applied)
         expected = [p.name for p in mlx_lm_patched.PATCHES]
         if applied != expected:
             raise RuntimeError(f"patches applied {applied}, expected {expected}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mlx_lm_patched import _newmods, _registry
+from mlx_lm_patched import _apply, _newmods
 from mlx_lm_patched._registry import UPSTREAM_VERSION, Patch, fingerprint_source
 
 from .rewrite import (
@@ -121,7 +121,7 @@ def merge_onto(
     checks = check_targets(patches, tree)
     for patch in patches:
         mine = [c for c in checks if c.patch == patch.name]
-        needs = [r for r in _registry.requirements(patch) if r in aside]
+        needs = [r for r in _apply.requirements(patch) if r in aside]
         if needs:
             status[patch.name] = f"set aside: needs {', '.join(needs)}"
         else:
@@ -135,10 +135,10 @@ def merge_onto(
         aside |= {patch.name} | {t.name for t in patch.targets}
         # As at run time, its helpers stay for the patches that use them.
         helpers = Patch(
-            patch.name, "", [t for t in patch.targets if _registry._is_helper(t)]
+            patch.name, "", [t for t in patch.targets if _apply._is_helper(t)]
         )
         # Alone, they need only the global names they read (``_needs``).
-        if helpers.targets and not set(_registry._needs(helpers.targets)) & aside:
+        if helpers.targets and not set(_apply._needs(helpers.targets)) & aside:
             try:
                 files = apply_to_sources(files, helpers, tree)
                 aside -= {t.name for t in helpers.targets}

@@ -222,7 +222,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     limit = mx.set_cache_limit(0)  # active memory counts exactly what is held
-    was_applied = mlx_lm_patched._registry.is_applied("quantized_cache")
+    was_applied = mlx_lm_patched._apply.is_applied("quantized_cache")
     try:
         result = {
             "mlx": version("mlx"),

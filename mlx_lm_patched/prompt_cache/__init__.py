@@ -1,2 +1,3 @@
 """The prompt cache servers keep: shared prefix blocks, the store, ring
-checkpoints, cache files, and the disk tier (directory, block files, writer)."""
+checkpoints, cache files, copies on the host, and the disk tier (directory,
+block files, writer)."""

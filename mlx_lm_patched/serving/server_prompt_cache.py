@@ -36,97 +36,23 @@ before, ``os.open`` without a mode made them ``0755``). At start the
 log gives the disk entries found (count, bytes) and the budgets in force;
 then both tiers' sizes before each request and which tier served how many
 of its tokens. Upstream's ``main`` builds its parser inline; an edit of it
-adds the flags. Its size flags took upstream's ``_parse_size``, whose
-``-1``, ``abc`` and ``10K`` end in a traceback: ``_parse_byte_size`` takes
-``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of 1024)
-or gives argparse's one-line error, as ``--prompt-cache-dir`` does for a
-file or a directory it cannot list (``_prompt_cache_dir``).
+adds the flags, their types in the new module ``mlx_lm/server_prompt_cache.py``
+(with the timings logged). Its size flags took upstream's ``_parse_size``,
+whose ``-1``, ``abc`` and ``10K`` end in a traceback: ``parse_byte_size``
+takes ``4096``, ``10K``, ``4M``, ``2G``, ``1T`` (and ``KiB``... in powers of
+1024) or gives argparse's one-line error, as ``--prompt-cache-dir`` does for
+a file or a directory it cannot list (``prompt_cache_dir``).
 ``--listen-backlog``, ``--max-connections`` and ``--idle-timeout`` size the
 HTTP server for bursts (``server_http``).
 """
 
 from typing import TYPE_CHECKING
 
+from .._newmods import hooks, new_module
 from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    import argparse
     import logging
-    import time
-
-    from mlx_lm.server import (
-        Path,
-    )
-
-
-# Written as it reads in mlx_lm/server.py, and runs there.
-def _file_mode(x: str) -> int:
-    """Permission bits in octal (``600``, ``660``), the owner's rw among them."""
-    try:
-        mode = int(x, 8)
-    except ValueError:
-        mode = -1
-    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
-        raise argparse.ArgumentTypeError(
-            f"{x!r} is not a file mode: octal, readable and writable by the "
-            "owner (600, 640, 660)"
-        )
-    return mode
-
-
-def _parse_byte_size(x: str) -> int:
-    """Bytes from ``4096``, ``10K``, ``4M``, ``2.5G``, ``1T``: powers of 1000
-    as in upstream's ``_parse_size`` (``KB``, ``MB``, ... too), ``KiB``,
-    ``MiB``, ... powers of 1024."""
-    text = x.strip().upper()
-    binary = text.endswith("IB")
-    text = text[:-2] if binary else text[:-1] if text.endswith("B") else text
-    unit = text[-1:] if text[-1:] in ("K", "M", "G", "T") else ""
-    whole, _, frac = text[: len(text) - len(unit)].strip().partition(".")
-    scale = (1024 if binary else 1000) ** ("KMGT".find(unit) + 1) if unit else 1
-    digits = whole + frac
-    if not (digits.isascii() and digits.isdecimal()) or (binary and not unit):
-        raise argparse.ArgumentTypeError(
-            f"{x!r} is not a size: a number of bytes, or one with K, M, G or T "
-            "(10K, 4M, 2G)"
-        )
-    return int(whole or 0) * scale + int(frac or 0) * scale // 10 ** len(frac)
-
-
-def _prompt_cache_dir(x: str, mode: int = 0o600) -> str:
-    """``x``, a directory the prompt cache can list (made if missing, with x
-    where ``mode``, its files', has r)."""
-    try:
-        path = Path(x)
-        path.mkdir(mode | (mode & 0o444) >> 2, parents=True, exist_ok=True)
-        if not path.is_dir():
-            raise NotADirectoryError(20, "Not a directory")
-        next(path.iterdir(), None)
-    except OSError as e:
-        why = "not a directory" if isinstance(e, FileExistsError) else e.strerror
-        raise argparse.ArgumentTypeError(f"{x}: {why or e}") from None
-    return x
-
-
-def _log_timing(timing, phase):
-    """Log a request's breakdown at DEBUG: the milliseconds each phase took
-    (``first_token``: from joining the batch, ``segments`` the inserts at
-    its segments' ends within it; ``store``: its entry's insert once
-    answered), each phase logged once."""
-    if phase in timing:
-        return
-    timing[phase] = time.perf_counter()
-    if phase == "first_token":
-        steps = ("tokenize", "prepare", "fetch", "insert", "first_token")
-        before = ["start", *steps]
-    else:
-        steps, before = ("store",), ("done",)
-    parts = " ".join(
-        f"{k}={(timing[k] - timing[b]) * 1e3:.1f}ms" for k, b in zip(steps, before)
-    )
-    if phase == "first_token":  # of which the inserts at segment ends
-        parts += f" segments={timing.get('segments', 0.0) * 1e3:.1f}ms"
-    logging.debug(f"prompt-cache timing: {parts}")
 
 
 class ResponseGenerator:
@@ -224,7 +150,7 @@ _GENERATE = """\
                  del caches
 @@ -202,2 +220,3 @@
                      result = batch_results[r.uid]
-+                    _log_timing(result["timing"], "first_token")
++                    log_timing(result["timing"], "first_token")
  
 @@ -231,2 +250,3 @@
                          result["rqueue"].put(None)
@@ -232,7 +158,7 @@ _GENERATE = """\
                          self.prompt_cache.insert_cache(
 @@ -237,2 +257,3 @@
                          )
-+                        _log_timing(result["timing"], "store")
++                        log_timing(result["timing"], "store")
                          del batch_results[r.uid]
 @@ -240,4 +261,6 @@
                      if result["ctx"]._should_stop:
@@ -290,7 +216,7 @@ _MAIN = """\
          "--prompt-cache-bytes",
 -        type=_parse_size,
 -        help="Maximum size in bytes of the KV caches",
-+        type=_parse_byte_size,
++        type=parse_byte_size,
 +        help="Maximum size of the prompt cache in memory plus the running "
 +        "batch's caches, held after every insert and batch step: bytes, or "
 +        "with a unit: 500M, 2G, 1.5G, 4GiB (default: no limit)",
@@ -304,14 +230,14 @@ _MAIN = """\
 +    )
 +    parser.add_argument(
 +        "--prompt-cache-disk-bytes",
-+        type=_parse_byte_size,
++        type=parse_byte_size,
 +        default="16G",
 +        help="Maximum size of the --prompt-cache-dir files, oldest removed "
 +        "first: bytes, or 500M, 16G... (default: 16G)",
 +    )
 +    parser.add_argument(
 +        "--prompt-cache-queue-bytes",
-+        type=_parse_byte_size,
++        type=parse_byte_size,
 +        default="1G",
 +        help="Maximum size of the prompt caches waiting to be written "
 +        "to --prompt-cache-dir; more are not written, and the log counts "
@@ -319,7 +245,7 @@ _MAIN = """\
 +    )
 +    parser.add_argument(
 +        "--prompt-cache-mode",
-+        type=_file_mode,
++        type=file_mode,
 +        default="600",
 +        help="Permissions of the files written to --prompt-cache-dir, in "
 +        "octal, less the umask; a directory made gets x where they have r. "
@@ -418,7 +344,7 @@ _MAIN = """\
 +            parser.error(f"--{flag.replace('_', '-')} must be positive")
 +    if args.prompt_cache_dir is not None:
 +        try:  # made with the mode, known only now
-+            _prompt_cache_dir(args.prompt_cache_dir, args.prompt_cache_mode)
++            prompt_cache_dir(args.prompt_cache_dir, args.prompt_cache_mode)
 +        except argparse.ArgumentTypeError as e:
 +            parser.error(f"argument --prompt-cache-dir: {e}")
      _ = maybe_set_recommended_wired_limit()
@@ -521,12 +447,14 @@ PATCH = Patch(
     "(--prompt-cache-mode); a start-up line with the entries found and the "
     "budgets; bad sizes and "
     "directories are one-line errors",
-    targets(
+    new_module("mlx_lm.server_prompt_cache")
+    + hooks(
         "mlx_lm.server",
-        _file_mode,
-        _parse_byte_size,
-        _prompt_cache_dir,
-        _log_timing,
+        "mlx_lm.server_prompt_cache",
+        "file_mode",
+        "parse_byte_size",
+        "prompt_cache_dir",
+        "log_timing",
     )
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
     + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE)

@@ -60,9 +60,9 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         use_decode_kernel,
     )
     from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.bounded_attention import sdpa_backend
 
     from ..caches.rotating_prealloc import _schedule
-    from .bounded_attention import sdpa_backend
 
 # The marker of the last layer's attention scheduled on CUDA (``_schedule``).
 _previous_attention = []

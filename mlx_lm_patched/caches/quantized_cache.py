@@ -55,7 +55,7 @@ from .._registry import Patch, pasted_into, targets
 from .quantized_layout import _check_quantized, _kv_quant_layout, _kv_quantize
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .rotating_prealloc import _pipeline
+    from mlx_lm.models.ring_buffer import _pipeline
 
 
 _decode_lengths_made = {}

@@ -61,8 +61,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     )
     from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.bounded_attention import sdpa_backend
-
-    from ..caches.rotating_prealloc import _schedule
+    from mlx_lm.models.ring_buffer import _schedule
 
 # The marker of the last layer's attention scheduled on CUDA (``_schedule``).
 _previous_attention = []

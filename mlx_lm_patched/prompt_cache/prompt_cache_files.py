@@ -39,8 +39,7 @@ from .._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
-
-    from ..caches.rotating_prealloc import _stored
+    from mlx_lm.models.ring_buffer import _stored
 
 
 def _prompt_cache_from_arrays(

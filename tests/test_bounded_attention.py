@@ -84,7 +84,7 @@ def test_the_backend_is_the_default_device_s(monkeypatch, device, metal, cuda, n
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(device))
     monkeypatch.setattr(mx.metal, "is_available", lambda: metal)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
-    assert base.sdpa_backend() == name
+    assert paths().sdpa_backend() == name
 
 
 @pytest.mark.parametrize(

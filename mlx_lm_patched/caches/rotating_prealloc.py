@@ -347,7 +347,6 @@ PATCH = Patch(
     "rotating_prealloc",
     "RotatingKVCache: allocate the ring once, write in place, keep tokens visible",
     new_module("mlx_lm.models.ring_buffer")
-    + hooks("mlx_lm.models.base", "mlx_lm.models.ring_buffer", "_schedule")
     + hooks(
         "mlx_lm.models.cache",
         "mlx_lm.models.ring_buffer",

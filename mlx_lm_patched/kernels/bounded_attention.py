@@ -90,10 +90,7 @@ PATCH = Patch(
     "(additive on CUDA), chained query blocks of bounded scores elsewhere",
     new_module("mlx_lm.models.bounded_attention")
     + hooks(
-        "mlx_lm.models.base",
-        "mlx_lm.models.bounded_attention",
-        "bounded_attention",
-        "sdpa_backend",
+        "mlx_lm.models.base", "mlx_lm.models.bounded_attention", "bounded_attention"
     )
     + targets("mlx_lm.models.base", scaled_dot_product_attention),
 )

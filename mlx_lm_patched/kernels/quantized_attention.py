@@ -199,9 +199,13 @@ PATCH = Patch(
     "and the decode kernel for CUDA decode steps",
     targets("mlx_lm.models.base", quantized_scaled_dot_product_attention)
     + targets("mlx_lm.models.base", _previous_attention=_previous_attention)
-    + hooks("mlx_lm.models.base", "mlx_lm.models.quantized_layout", "_quantize_tail"),
+    + hooks("mlx_lm.models.base", "mlx_lm.models.bounded_attention", "sdpa_backend")
+    + hooks("mlx_lm.models.base", "mlx_lm.models.quantized_layout", "_quantize_tail")
+    + hooks("mlx_lm.models.base", "mlx_lm.models.ring_buffer", "_schedule"),
     requires=(
         "mlx_lm.models.base:scaled_dot_product_attention",
+        "mlx_lm.models:bounded_attention",
         "mlx_lm.models:quantized_layout",
+        "mlx_lm.models:ring_buffer",
     ),
 )

@@ -123,7 +123,9 @@ def _is_helper(t: Target) -> bool:
     """A new module-level object that is not a class: inert until called, it
     stays installed for the patches that use it when its own patch cannot."""
     added = ":" not in t.owner and t.fingerprint is None
-    lazy = isinstance(t.new, Edit) or _newmods.lazy(t.new)
+    lazy = isinstance(t.new, Edit) or (
+        _newmods.lazy(t.new) and not _newmods.helpers_only(t.new)
+    )
     return added and not inspect.isclass(t.new) and not lazy
 
 

@@ -97,6 +97,19 @@ def lazy(new) -> bool:
     return isinstance(new, (NewModule, FromModule))
 
 
+def helpers_only(new) -> bool:
+    """Whether ``new`` is a new module of functions and values alone, or a
+    name imported from one: helpers, kept for the patches that use them where
+    their own patch is set aside (``_apply._is_helper``)."""
+    name = new.name if isinstance(new, NewModule) else getattr(new, "module", "")
+    path = NewModule(name).path
+    if not (name and path.exists()):
+        return False
+    return not any(
+        isinstance(n, ast.ClassDef) for n in ast.parse(path.read_text()).body
+    )
+
+
 def materialize(attr: str, new):
     """The object a target installs: a new module run, a hook's name read."""
     if isinstance(new, NewModule):

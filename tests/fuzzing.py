@@ -15,10 +15,9 @@ import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from mlx_lm.models import cache as cache_module
 from mlx_lm.models.base import scaled_dot_product_attention
 from ringref import attend, random_kv
-
-from mlx_lm_patched.caches import quantized_cache
 
 EXAMPLES = int(os.environ.get("MLX_LM_PATCHED_FUZZ_EXAMPLES", "100"))
 H, Q = 2, 4  # key/value heads, query heads (grouped-query attention)
@@ -122,7 +121,7 @@ def apply_batch_op(harness, op, n, rng):
 
 def dequantized(x, group_size, bits, dim):
     """``x`` as a quantized cache of that layout must give it back."""
-    g, width, _ = quantized_cache._kv_quant_layout(dim, dim, group_size, bits)
+    g, width, _ = cache_module._kv_quant_layout(dim, dim, group_size, bits)
     if width > dim:
         x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, width - dim)])
     x = mx.dequantize(*mx.quantize(x, group_size=g, bits=bits), group_size=g, bits=bits)

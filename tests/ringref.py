@@ -138,7 +138,7 @@ def pipeline_calls(monkeypatch):
             return _fn(*a, **k)
 
         monkeypatch.setattr(mx, name, record)
-    sys.modules["mlx_lm.models.cache"]._previous_layer.clear()
+    sys.modules["mlx_lm.models.ring_buffer"]._previous_layer.clear()
     return calls
 
 

@@ -23,6 +23,11 @@ def upstream_sdpa():
     )
 
 
+def paths():
+    """The new module ``mlx_lm.models.bounded_attention``, once patched."""
+    return sys.modules["mlx_lm.models.bounded_attention"]
+
+
 def inputs(B=1, H=8, N=512, L=1536, D=32, dtype=mx.float32, padding=None):
     q, k, v = (mx.random.normal((B, H, n, D)).astype(dtype) for n in (N, L, L))
     mask = reference_mask(L - N, N, 600, keep=4)  # a ring's window past the ring
@@ -79,7 +84,7 @@ def test_the_backend_is_the_default_device_s(monkeypatch, device, metal, cuda, n
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(device))
     monkeypatch.setattr(mx.metal, "is_available", lambda: metal)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: cuda)
-    assert base.sdpa_backend() == name
+    assert paths().sdpa_backend() == name
 
 
 @pytest.mark.parametrize(
@@ -103,9 +108,9 @@ def test_each_backend_takes_its_path_for_an_array_mask(
 ):
     backend(name)
     q, k, v, mask = inputs(H=4, N=N, L=96, D=D, dtype=dtype)
-    assert base.attention_path(q, k, v, mask) == path
+    assert paths().attention_path(q, k, v, mask) == path
     for no_array in ("causal", None):
-        assert base.attention_path(q, k, v, no_array) == "fused"
+        assert paths().attention_path(q, k, v, no_array) == "fused"
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
@@ -139,7 +144,7 @@ def test_the_additive_mask_is_a_view_of_rows_padded_to_16_bytes(monkeypatch, dty
         mx, "where", lambda c, *a: built.append(c.shape) or where(c, *a)
     )
     mask = mx.random.uniform(shape=(2, 1, 3, K)) < 0.5
-    got = base.additive_mask(mask, dtype)
+    got = paths().additive_mask(mask, dtype)
     assert built == [(2, 1, 3, -(-K // 8) * 8)]
     assert got.shape == mask.shape and got.dtype == dtype
     assert mx.array_equal(got == 0, mask).item()
@@ -294,9 +299,9 @@ def test_buckets_are_two_a_doubling_and_cover_their_sizes():
     buckets per doubling, less than 1.5x it, a bucket its own bucket."""
     sizes = range(1, 5000)
     for n in sizes:
-        b = base.bucket(n)
-        assert n <= b == base.bucket(b) and (b == 64 or b < 1.5 * n)
-    buckets = {base.bucket(n) for n in sizes}
+        b = paths().bucket(n)
+        assert n <= b == paths().bucket(b) and (b == 64 or b < 1.5 * n)
+    buckets = {paths().bucket(n) for n in sizes}
     for k in range(7, 13):
         assert len([b for b in buckets if 1 << (k - 1) < b <= 1 << k]) == 2
 
@@ -312,8 +317,8 @@ def test_cuda_calls_run_padded_to_their_bucket_with_the_same_output(
     q, k, v, mask = inputs(B=2, H=4, N=N, L=L, D=32, dtype=dtype, padding=[0, 9])
     got = scaled_dot_product_attention(q, k, v, None, 0.2, mask)
     (m,) = fused_calls
-    assert m.shape[-2:] == (base.bucket(N), base.bucket(L))
+    assert m.shape[-2:] == (paths().bucket(N), paths().bucket(L))
     plain = mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=0.2, mask=base.additive_mask(mask, dtype)
+        q, k, v, scale=0.2, mask=paths().additive_mask(mask, dtype)
     )
     assert got.shape == plain.shape and same(got, plain)

@@ -27,7 +27,7 @@ H, D = 2, 32
 
 def temporal(cache):
     """A ring's live keys and values in temporal order, and its offset."""
-    from mlx_lm.models.cache import _live_state
+    from mlx_lm.models.prompt_cache_entries import _live_state
 
     return _live_state(cache)[:3]
 

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.kernels import quantized_decode as qa
 from mlx_lm.kernels import quantized_decode_partial, quantized_decode_source
 from mlx_lm.kernels.quantized_decode_mma import _DECODE_MMA
-from mlx_lm.models import base, cache
+from mlx_lm.models import base, cache, quantized_layout
 from mlx_lm.models.cache import RotatingKVCache
 from ringref import fake_backend, random_kv, single_stream
 
@@ -74,10 +74,10 @@ def test_a_step_s_lengths_are_a_view_of_one_zero_made_once():
     a view of the same zero: no kernel a step."""
     a = cache._decode_lengths(200, 11)
     assert cache._decode_lengths(200, 11) is a and a.shape == (201, 12)
-    zero = cache._decode_lengths_made[None]
+    zero = quantized_layout._decode_lengths_made[None]
     b = cache._decode_lengths(201, 12)
-    assert b.shape == (202, 13) and cache._decode_lengths_made[None] is zero
-    assert len(cache._decode_lengths_made) == 2  # the zero and this step's
+    assert b.shape == (202, 13) and quantized_layout._decode_lengths_made[None] is zero
+    assert len(quantized_layout._decode_lengths_made) == 2  # the zero and this step's
 
 
 @pytest.mark.parametrize("D, group_size", [(64, 64), (80, 32)])

@@ -85,6 +85,8 @@ def measure(fn, reps):
 
 
 def one_shape(args, D, dtype):
+    from mlx_lm.models.bounded_attention import attention_path  # once patched
+
     q, k, v, mask = inputs(args, D, dtype)
     scale = D**-0.5
     upstream = mlx_lm_patched.get_original(
@@ -117,7 +119,7 @@ def one_shape(args, D, dtype):
                 qv,
                 bits,
             )
-    result = {"path": base.attention_path(q, k, v, mask)}
+    result = {"path": attention_path(q, k, v, mask)}
     outs = {}
     for name, fn in tqdm(roads.items(), f"head dim {D}", unit="road", leave=False):
         result[name], outs[name] = measure(fn, args.reps)

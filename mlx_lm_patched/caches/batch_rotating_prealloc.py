@@ -34,7 +34,7 @@ from .._registry import Patch, targets
 from . import ring_checkpoints, ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .rotating_prealloc import (
+    from mlx_lm.models.ring_buffer import (
         _check_update,
         _hold,
         _pipeline,

@@ -35,8 +35,7 @@ from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import RotatingKVCache
-
-    from .rotating_prealloc import _put
+    from mlx_lm.models.ring_buffer import _put
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
 # there (``targets`` pastes it): ``RotatingKVCache`` and ``_put`` are that

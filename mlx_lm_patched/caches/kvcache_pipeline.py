@@ -16,8 +16,7 @@ from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import mlx.core as mx
-
-    from .rotating_prealloc import _pipeline
+    from mlx_lm.models.ring_buffer import _pipeline
 
 
 # Written as they would read in mlx_lm/models/cache.py, and run there.

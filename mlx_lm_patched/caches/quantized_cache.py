@@ -1,4 +1,5 @@
-"""``QuantizedKVCache`` done right.
+"""``QuantizedKVCache`` done right (its layout and decode tail: the new module
+``mlx_lm/models/quantized_layout.py``).
 
 Upstream's quantized cache reports ``size() == 0``, raises on ``nbytes`` when
 empty, lets ``trim(-1)`` grow ``offset`` (as do ``KVCache``,
@@ -51,62 +52,18 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .._registry import Patch, pasted_into, targets
-from .quantized_layout import _check_quantized, _kv_quant_layout, _kv_quantize
+from .._newmods import hooks, new_module
+from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .rotating_prealloc import _pipeline
-
-
-_decode_lengths_made = {}
-_tail_starts = {}
-
-
-def _tail_start(t):
-    """``mx.array([t])``, made once: where a decode step's tokens go in the
-    tail."""
-    if t not in _tail_starts:
-        _tail_starts[t] = mx.array([t])
-    return _tail_starts[t]
-
-
-def _decode_lengths(quantized, tail):
-    """An array of shape ``(quantized + 1, tail + 1)`` (a broadcast scalar:
-    the decode kernel reads the lengths off its shape), made once a step (a
-    step's layers share it), a view of one zero made once: no kernel a step
-    (a new zero was one, writing MLX's managed memory)."""
-    key = (quantized, tail)
-    if key not in _decode_lengths_made:
-        zero = _decode_lengths_made.get(None)
-        if zero is None:
-            zero = mx.zeros((1, 1), mx.int32)
-        _decode_lengths_made.clear()
-        _decode_lengths_made[None] = zero
-        _decode_lengths_made[key] = mx.broadcast_to(zero, (quantized + 1, tail + 1))
-    return _decode_lengths_made[key]
-
-
-class _TailFetch(tuple):
-    """A ``QuantizedKVCache`` decode step's ``(packed, scales, biases, tail,
-    lengths)``, the step's tokens not in the tail: ``before`` (the tail
-    item) is the tail without them, ``new`` the tokens, to go at ``start``.
-    The decode kernel reads both and hands ``cache`` the tail it writes
-    (``_wrote_tail``); ``written()`` writes it for any other reader. H200,
-    Llama-8B shape, 8 bits: the two writes a layer took 0.8 ms of a decode
-    step's 3.0 of MLX launches; made and never run, 1.6 us of its host
-    time each."""
-
-    def __new__(cls, items, new, start, cache):
-        self = super().__new__(cls, items)
-        self.before, self.new, self.start, self.cache = items[3], new, start, cache
-        return self
-
-    def __getnewargs__(self):  # copy.deepcopy (upstream's prompt cache LRU)
-        return tuple(self), self.new, self.start, self.cache
-
-    def written(self):
-        """The tail with the step's tokens."""
-        return mx.slice_update(self.before, self.new, _tail_start(self.start), (2,))
+    from mlx_lm.models.quantized_layout import (
+        _check_quantized,
+        _decode_lengths,
+        _kv_quant_layout,
+        _kv_quantize,
+        _TailFetch,
+    )
+    from mlx_lm.models.ring_buffer import _pipeline
 
 
 class _QuantizedKVCache:
@@ -447,28 +404,21 @@ class _KVCache:
         return quant_cache
 
 
-_decode_lengths = pasted_into("mlx_lm.models.cache", _decode_lengths)
-_tail_start = pasted_into("mlx_lm.models.cache", _tail_start)
-_kv_quant_layout = pasted_into("mlx_lm.models.cache", _kv_quant_layout)
-_kv_quantize = pasted_into("mlx_lm.models.cache", _kv_quantize)
-_check_quantized = pasted_into("mlx_lm.models.cache", _check_quantized)
-
 PATCH = Patch(
     "quantized_cache",
     "QuantizedKVCache: live size, compaction, geometric growth, dequantized "
     "export, bit-exact save/load, any head dim",
-    targets(
+    new_module("mlx_lm.models.quantized_layout")
+    + hooks(
         "mlx_lm.models.cache",
-        os,
-        _decode_lengths,
-        _tail_start,
-        _TailFetch,
-        _kv_quant_layout,
-        _kv_quantize,
-        _check_quantized,
-        _decode_lengths_made=_decode_lengths_made,
-        _tail_starts=_tail_starts,
+        "mlx_lm.models.quantized_layout",
+        "_TailFetch",
+        "_check_quantized",
+        "_decode_lengths",
+        "_kv_quant_layout",
+        "_kv_quantize",
     )
+    + targets("mlx_lm.models.cache", os)
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)
     + targets("mlx_lm.models.cache:KVCache", _KVCache),
 )

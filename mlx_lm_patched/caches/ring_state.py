@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from .rotating_prealloc import _stored
+    from mlx_lm.models.ring_buffer import _stored
 
 
 class BatchRotatingKVCache:

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from .._newmods import hooks
 from .._registry import Patch, cache_class, edits, targets
-from ..caches.rotating_prealloc import _pipeline
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from generate_kv_checks import (
         _check_kv_quantization,
     )
+    from mlx_lm.models.ring_buffer import _pipeline
 
 # Written as they would read in mlx_lm/generate.py, and run there.
 
@@ -149,9 +150,12 @@ PATCH = Patch(
         maybe_quantize_batch_cache,
         _QuantizeOnWrite,
         _QuantizingModel,
-        _pipeline,  # imported from mlx_lm/models/cache.py
         _extend_cache,
     )
+    + hooks("mlx_lm.generate", "mlx_lm.models.ring_buffer", "_pipeline")
     + edits("mlx_lm.generate:BatchGenerator", __init__=_INIT),
-    requires=("mlx_lm.models.cache:BatchKVCache.to_quantized",),
+    requires=(
+        "mlx_lm.models.cache:BatchKVCache.to_quantized",
+        "mlx_lm.models:ring_buffer",
+    ),
 )

@@ -1,5 +1,6 @@
 """Attention over an array mask: fused where the backend fuses it, in chained
-query blocks where it materialises the scores.
+query blocks where it materialises the scores (the new module
+``mlx_lm/models/bounded_attention.py``).
 
 An array mask (a rotating cache's window once a chunk runs past the ring, a
 batch's padding) takes a different road through
@@ -45,70 +46,12 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
+from .._newmods import hooks, new_module
 from .._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
-
-
-def sdpa_backend() -> str:
-    """The MLX backend of the default device: "cpu", "cuda" or "metal"."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if mx.metal.is_available():
-        return "metal"
-    return "cuda" if mx.cuda.is_available() else "cpu"
-
-
-def attention_path(queries, keys, values, mask) -> str:
-    """How ``mx.fast.scaled_dot_product_attention`` runs with this mask:
-    "fused" (the mask as it is), "additive" (fused once a boolean mask is made
-    additive in the query dtype) or "scores" (materialised, in query blocks
-    past ``max_scores``)."""
-    if not isinstance(mask, mx.array):
-        return "fused"
-    backend = sdpa_backend()
-    L, D, D_v = queries.shape[2], queries.shape[-1], values.shape[-1]
-    if backend == "metal":
-        if L > 8:
-            fused = D == D_v and D in (64, 72, 80, 96, 128)
-        else:
-            gqa = queries.shape[1] // keys.shape[1]
-            fused = D == D_v and D in (64, 96, 128, 256) and L * gqa <= 32
-        return "fused" if fused else "scores"
-    if backend == "cuda":
-        fused = (
-            queries.dtype in (mx.float16, mx.bfloat16)
-            and L > 1
-            and D % 8 == 0
-            and D_v % 8 == 0
-            and max(D, D_v) <= 128
-        )
-        return "additive" if fused else "scores"
-    return "scores"
-
-
-_additive_masks = {}
-
-
-def additive_mask(mask, dtype):
-    """``mask`` as an additive mask in ``dtype``: 0 where visible, the dtype's
-    minimum elsewhere, a view of rows padded to 16 bytes. cuDNN reads a bias
-    whose rows are not aligned slowly: one 2048 x 6143-key call took 1.25 ms,
-    the same mask with rows of 6144 0.77 ms, bit for bit (H100, 32 heads;
-    ``mask="causal"``: 0.44). A model gives every layer the same mask: the
-    last one converted is kept with its conversion, so a model call converts
-    once."""
-    key = (id(mask), dtype)
-    if key not in _additive_masks:
-        _additive_masks.clear()
-        K = mask.shape[-1]
-        pad = [(0, 0)] * (mask.ndim - 1) + [(0, -K % (16 // dtype.size))]
-        additive = mx.where(
-            mx.pad(mask, pad), mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
-        )
-        _additive_masks[key] = mask, additive[..., :K]
-    return _additive_masks[key][1]
+    from mlx_lm.models.bounded_attention import bounded_attention
 
 
 def scaled_dot_product_attention(
@@ -133,106 +76,10 @@ def scaled_dot_product_attention(
             group_size=cache.group_size,
             bits=cache.bits,
         )
-    path = attention_path(queries, keys, values, mask)
-    if path == "additive" and mask.dtype == mx.bool_:
-        mask = additive_mask(mask, queries.dtype)
-    if path == "additive" and sinks is None:
-        return _in_bucket(queries, keys, values, scale, mask)
-    if path == "scores":
-        B, H, N, _ = queries.shape
-        per_query = 4 * B * H * keys.shape[2]  # float32 scores
-        if N * per_query > max_scores:
-            rows = max_scores // per_query
-            return _query_blocks(queries, keys, values, scale, mask, sinks, rows)
-    return mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=scale, mask=mask, sinks=sinks
-    )
+    return bounded_attention(queries, keys, values, scale, mask, sinks, max_scores)
 
 
-def bucket(n: int) -> int:
-    """``n`` rounded up to the next of two sizes per doubling (…, 512, 768,
-    1024, 1536, 2048, …; 64 at least)."""
-    if n <= 64:
-        return 64
-    step = 1 << (n.bit_length() - 2)
-    return -(-n // step) * step
-
-
-def _in_bucket(queries, keys, values, scale, mask):
-    """The fused call on queries and keys padded to their ``bucket``s, the
-    padding masked out (it adds exact zeros) and cut off: cuDNN builds a
-    graph for every new shape (45-75 ms on an H200, once), and a server
-    meets a new one at every request of a growing conversation."""
-    L, K = queries.shape[2], keys.shape[2]
-    Lb, Kb = bucket(L), bucket(K)
-    if (Lb, Kb) == (L, K) or tuple(mask.shape[-2:]) != (L, K):
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask
-        )
-    pad = lambda x, n: mx.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n), (0, 0)])
-    queries, keys, values = pad(queries, Lb - L), pad(keys, Kb - K), pad(values, Kb - K)
-    out = mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=scale, mask=bucket_mask(mask, Lb, Kb)
-    )
-    return out[..., :L, :]
-
-
-_bucket_masks = {}
-
-
-def bucket_mask(mask, rows: int, columns: int):
-    """An additive ``mask`` padded to ``rows`` x ``columns``: the new columns
-    masked, the new rows seeing their first column only (no row all
-    masked). Made once for a model call's layers, as ``additive_mask``."""
-    key = (id(mask), rows, columns)
-    if key not in _bucket_masks:
-        _bucket_masks.clear()
-        L, K = mask.shape[-2:]
-        low = mx.finfo(mask.dtype).min
-        lead = [(0, 0)] * (mask.ndim - 2)
-        padded = mx.pad(mask, lead + [(0, 0), (0, columns - K)], constant_values=low)
-        padded = mx.pad(padded, lead + [(0, rows - L), (0, 0)], constant_values=low)
-        first = (mx.arange(rows)[:, None] >= L) & (mx.arange(columns)[None] == 0)
-        _bucket_masks[key] = mask, mx.where(first, mx.array(0, mask.dtype), padded)
-    return _bucket_masks[key][1]
-
-
-def _query_blocks(queries, keys, values, scale, mask, sinks, rows):
-    """Attention a block of queries at a time, the scores of ``rows`` queries
-    at most (an eighth of that on CPU, see above). On CPU a chain of blocks
-    keeps the bound; a GPU encodes every block before the first one runs, so
-    there only evaluating each block does, and blocks of a power of two
-    queries give upstream's output bit for bit."""
-    on_cpu = sdpa_backend() == "cpu"
-    block = max(1, rows // 8 if on_cpu else rows)
-    if not on_cpu:
-        block = 1 << (block.bit_length() - 1)
-    out = []
-    for start in range(0, queries.shape[2], block):
-        part = slice(start, start + block)
-        q = queries[..., part, :]
-        if out and on_cpu:  # one block after the other
-            q = mx.depends(q, out[-1])
-        out.append(
-            mx.fast.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                scale=scale,
-                mask=mask[..., part, :] if mask.shape[-2] > 1 else mask,
-                sinks=sinks,
-            )
-        )
-        if not on_cpu:
-            mx.eval(out[-1])
-    return mx.concatenate(out, axis=2)
-
-
-# Written as they read in mlx_lm/models/base.py, and run from there.
-sdpa_backend = pasted_into("mlx_lm.models.base", sdpa_backend)
-attention_path = pasted_into("mlx_lm.models.base", attention_path)
-additive_mask = pasted_into("mlx_lm.models.base", additive_mask)
-_query_blocks = pasted_into("mlx_lm.models.base", _query_blocks)
+# Written as it reads in mlx_lm/models/base.py, and run from there.
 scaled_dot_product_attention = pasted_into(
     "mlx_lm.models.base", scaled_dot_product_attention
 )
@@ -241,19 +88,9 @@ PATCH = Patch(
     "bounded_attention",
     "scaled_dot_product_attention: array masks fused where the backend can "
     "(additive on CUDA), chained query blocks of bounded scores elsewhere",
-    targets("mlx_lm.models.base", sdpa_backend, attention_path)
-    + targets(
-        "mlx_lm.models.base",
-        _additive_masks=_additive_masks,
-        _bucket_masks=_bucket_masks,
+    new_module("mlx_lm.models.bounded_attention")
+    + hooks(
+        "mlx_lm.models.base", "mlx_lm.models.bounded_attention", "bounded_attention"
     )
-    + targets(
-        "mlx_lm.models.base",
-        additive_mask,
-        bucket,
-        bucket_mask,
-        _in_bucket,
-        _query_blocks,
-        scaled_dot_product_attention,
-    ),
+    + targets("mlx_lm.models.base", scaled_dot_product_attention),
 )

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Optional
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from .._newmods import hooks
 from .._registry import Patch, pasted_into, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
@@ -60,9 +61,9 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         use_decode_kernel,
     )
     from mlx_lm.models.base import scaled_dot_product_attention
-
-    from ..caches.rotating_prealloc import _schedule
-    from .bounded_attention import sdpa_backend
+    from mlx_lm.models.bounded_attention import sdpa_backend
+    from mlx_lm.models.quantized_layout import _quantize_tail
+    from mlx_lm.models.ring_buffer import _schedule
 
 # The marker of the last layer's attention scheduled on CUDA (``_schedule``).
 _previous_attention = []
@@ -186,33 +187,7 @@ def quantized_scaled_dot_product_attention(
     return out
 
 
-def _quantize_tail(q_keys, q_values, group_size, bits):
-    """``(packed, scales, biases)`` of the keys and of the values a
-    ``QuantizedKVCache`` decode step hands out with its tail (the whole
-    buffers, the tail, the lengths): the tail quantized after the packed
-    tokens, the bits the cache will hold."""
-    quantized, tail = (n - 1 for n in q_keys[4].shape)  # see _decode_lengths
-    out = []
-    for fetched in (q_keys, q_values):
-        *parts, rest, _ = fetched
-        if hasattr(fetched, "written"):  # the step's tokens, not in the tail
-            rest = fetched.written()
-        width = parts[0].shape[-1] * 32 // bits
-        rest = rest[:, :, :tail]
-        if width > rest.shape[-1]:
-            rest = mx.pad(rest, [(0, 0)] * 3 + [(0, width - rest.shape[-1])])
-        rest = mx.quantize(rest, group_size=group_size, bits=bits)
-        out.append(
-            tuple(
-                mx.concatenate([x[:, :, :quantized], y], axis=2)
-                for x, y in zip(parts, rest)
-            )
-        )
-    return out
-
-
-# Written as they read in mlx_lm/models/base.py, and run from there.
-_quantize_tail = pasted_into("mlx_lm.models.base", _quantize_tail)
+# Written as it reads in mlx_lm/models/base.py, and run from there.
 quantized_scaled_dot_product_attention = pasted_into(
     "mlx_lm.models.base", quantized_scaled_dot_product_attention
 )
@@ -222,9 +197,15 @@ PATCH = Patch(
     "quantized_scaled_dot_product_attention: chained query blocks of bounded "
     "scores, zero-padded head dims, fused attention over dequantized keys on CUDA "
     "and the decode kernel for CUDA decode steps",
-    targets(
-        "mlx_lm.models.base", _quantize_tail, quantized_scaled_dot_product_attention
-    )
-    + targets("mlx_lm.models.base", _previous_attention=_previous_attention),
-    requires=("mlx_lm.models.base:scaled_dot_product_attention",),
+    targets("mlx_lm.models.base", quantized_scaled_dot_product_attention)
+    + targets("mlx_lm.models.base", _previous_attention=_previous_attention)
+    + hooks("mlx_lm.models.base", "mlx_lm.models.bounded_attention", "sdpa_backend")
+    + hooks("mlx_lm.models.base", "mlx_lm.models.quantized_layout", "_quantize_tail")
+    + hooks("mlx_lm.models.base", "mlx_lm.models.ring_buffer", "_schedule"),
+    requires=(
+        "mlx_lm.models.base:scaled_dot_product_attention",
+        "mlx_lm.models:bounded_attention",
+        "mlx_lm.models:quantized_layout",
+        "mlx_lm.models:ring_buffer",
+    ),
 )

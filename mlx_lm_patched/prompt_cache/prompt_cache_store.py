@@ -1,4 +1,6 @@
-"""The prompt cache stores live tokens only, and evicts through one method.
+"""The prompt cache stores live tokens only, and evicts through one method (its
+entries' copies and restore points: the new module
+``mlx_lm/models/prompt_cache_entries.py``).
 
 Upstream's ``LRUPromptCache`` stores the caches it is given as they are: with
 the preallocated rings of ``rotating_prealloc`` every entry keeps a whole
@@ -47,123 +49,31 @@ entry can be trimmed back to a common prefix is ``_trimmable``.
 from typing import TYPE_CHECKING, Any, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
+from .._newmods import hooks, new_module
 from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     import copy
 
     from mlx_lm.models.cache import (
-        CacheList,
-        ChunkedKVCache,
         KVCache,
         PromptBlocks,
         PromptTrie,
         QuantizedKVCache,
         QuantizedRotatingKVCache,
         RotatingKVCache,
-        _BaseCache,
         can_trim_prompt_cache,
         trim_prompt_cache,
     )
-
-
-# Written as they read in mlx_lm/models/cache.py, and run there.
-def _live_state(cache):
-    """``cache.state`` with only the live tokens (a wrapped ring in temporal order)."""
-    state = cache.state
-    if isinstance(cache, RotatingKVCache) and cache.offset > cache.max_size:
-        keys, values = tree_map(cache._temporal_order, state[:2])
-        return (keys, values, *state[2:5], cache.max_size, *state[6:])
-    if isinstance(cache, (KVCache, ChunkedKVCache)) and cache.keys is not None:
-        n = cache.offset - getattr(cache, "start_position", 0)
-        return (cache.keys[..., :n, :], cache.values[..., :n, :], *state[2:])
-    return state
-
-
-def _copy_cache(cache, copy_array):
-    """A cache like ``cache`` whose arrays are ``copy_array`` of its live
-    state's (``mx.array`` copies them, scheduled; ``copy.copy`` shares their
-    buffers). Nothing waits: a fetch or an insert never syncs the stream."""
-    if not isinstance(cache, _BaseCache):  # not a cache of this module
-        return copy.deepcopy(cache)
-    new = copy.copy(cache)
-    if isinstance(cache, CacheList):
-        new.caches = tuple(_copy_cache(c, copy_array) for c in cache.caches)
-    else:
-        new.state = tree_map(
-            lambda x: copy_array(x) if isinstance(x, mx.array) else x,
-            _live_state(cache),
-        )
-        if copy_array is not copy.copy:
-            mx.async_eval(new.state)
-    return new
-
-
-def _restore_points(cache, length):
-    """Positions every layer of ``cache``, a cache of ``length`` tokens, can
-    go back to: a ring by a checkpoint, or a trim."""
-    found = {c.offset for x in cache for c in getattr(x, "checkpoints", ())}
-    return sorted(
-        p
-        for p in found
-        if all(
-            any(c.offset == p for c in getattr(layer, "checkpoints", ()))
-            or can_trim_prompt_cache([layer], length - p)
-            for layer in cache
-        )
+    from mlx_lm.models.prompt_cache_entries import (
+        _back_to,
+        _copy_cache,
+        _restore_points,
     )
 
 
-def _back_to(cache, length, at, working=lambda c: c):
-    """``cache``, a cache of ``length`` tokens to change, at ``at`` tokens:
-    trimmed, or each ring that cannot be replaced by ``working(its
-    checkpoint at at)``, which keeps that checkpoint and the older ones (an
-    entry made from it branches back there again); ``None`` where it cannot."""
-    if can_trim_prompt_cache(cache, length - at):
-        trim_prompt_cache(cache, length - at)
-        return cache
-    if at not in _restore_points(cache, length):
-        return None
-    for i, layer in enumerate(cache):
-        held = {c.offset: c for c in getattr(layer, "checkpoints", ())}
-        if at in held:  # a ring of its own: never in its own checkpoints
-            cache[i] = copy.copy(working(held[at]))
-            cache[i].checkpoints = [c for p, c in held.items() if p <= at]
-        else:
-            trim_prompt_cache([layer], length - at)
-    return cache
-
-
-def _disk_restore_point(disk, model, tokens, prefix):
-    """How many tokens of ``disk``'s entry of ``tokens`` (a
-    ``DiskPromptCache``'s) a prompt sharing ``prefix`` of them can reuse:
-    ``prefix`` where it trims back there, else the newest position at or
-    before it where each of its rings has a checkpoint, as its header says
-    (its other layers are taken to trim; a load checks both), or 0."""
-    import json  # local: the disk tier adds them to the module, later
-    import os
-
-    name = disk._name(model, tokens)
-    if disk._files[name][2] >= len(tokens) - prefix:
-        return prefix
-    try:
-        state = disk._pending.get(name)
-        if state is None:
-            path = os.path.join(disk.directory, name)
-            meta = disk._read_header(path, full=True)[1]["__metadata__"]
-        else:
-            meta = state.metadata
-        found = {}
-        for i, p in json.loads(meta.get("0.ring_checkpoints", "[]")):
-            found.setdefault(i, set()).add(p)
-    except Exception:  # unreadable: none (a load would say why)
-        return 0
-    common = set.intersection(*found.values()) if found else set()
-    return max((p for p in common if p <= prefix), default=0)
-
-
+# Written as it reads in mlx_lm/models/cache.py, and run there.
 class LRUPromptCache:
     def __init__(
         self,
@@ -356,13 +266,13 @@ PATCH = Patch(
     "LRUPromptCache: entries hold live tokens only, fetched without a deep "
     "copy; one _evict for every eviction; a prefix a wrapped ring cannot "
     "trim back to restored from the nearest checkpoint",
-    targets(
+    new_module("mlx_lm.models.prompt_cache_entries")
+    + hooks(
         "mlx_lm.models.cache",
-        _live_state,
-        _copy_cache,
-        _restore_points,
-        _back_to,
-        _disk_restore_point,
+        "mlx_lm.models.prompt_cache_entries",
+        "_back_to",
+        "_copy_cache",
+        "_restore_points",
     )
     + targets("mlx_lm.models.cache:LRUPromptCache", LRUPromptCache),
     requires=(

@@ -16,7 +16,6 @@ import mlx.core as mx
 from .cache import (
     LRUPromptCache,
     _back_to,
-    _disk_restore_point,
     _prompt_cache_from_arrays,
     can_trim_prompt_cache,
     prompt_cache_layout,
@@ -24,6 +23,7 @@ from .cache import (
     prompt_cache_state,
 )
 from .prompt_cache_disk_blocks import PromptBlockDir
+from .prompt_cache_entries import _disk_restore_point
 
 
 class DiskPromptCache(PromptBlockDir):

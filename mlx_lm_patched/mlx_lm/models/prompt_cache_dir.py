@@ -181,8 +181,8 @@ class PromptCacheDir(PromptCacheReader):
 
     # What restores and prefills took here ([bytes, seconds] read, [tokens,
     # seconds] prefilled): a restart's cost model starts from what was
-    # measured, not from ``read_prior`` and no prefill rate. Written at most
-    # every ``rates_every`` seconds.
+    # measured, not from ``read_prior`` and no prefill rate. Written by the
+    # writer thread at most every ``rates_every`` seconds, and at ``close``.
     rates_file = ".rates.json"
     rates_every = 10.0
 
@@ -208,12 +208,18 @@ class PromptCacheDir(PromptCacheReader):
             rates[k] = [v[0], v[1]] if ok else [0, 0.0]
         return rates
 
-    def _keep_rates(self, prefill: Optional[list] = None):
-        """Write ``_read`` and the last ``prefill`` to ``rates_file``, unless
-        they were written less than ``rates_every`` seconds ago."""
-        if prefill is not None:
-            self._rates["prefill"] = list(prefill)
-        if time.monotonic() - self._rates_kept >= self.rates_every:
+    def _keep_rates(self, prefill: list):
+        """Note the prefill rate to keep (``_save_rates`` writes it)."""
+        self._rates["prefill"] = list(prefill)
+
+    def _save_rates(self, now: bool = False):
+        """Write ``_read`` and the prefill noted to ``rates_file`` if any was
+        measured, unless they were written less than ``rates_every`` seconds
+        ago (``now``: at once). The writer thread calls it, and ``close``."""
+        measured = self._read[1] or self._rates["prefill"][1]
+        if measured and (
+            now or time.monotonic() - self._rates_kept >= self.rates_every
+        ):
             self._rates_kept = time.monotonic()
             self._rates["read"] = list(self._read)
             self._write_json(self.rates_file, self._rates)
@@ -232,18 +238,23 @@ class PromptCacheDir(PromptCacheReader):
             return None
 
     def _write_json(self, name: str, value):
-        """Write ``value`` to the JSON file ``name`` (best effort, warned)."""
+        """Write ``value`` to the JSON file ``name`` (best effort, warned),
+        room made for it first: the budget counts it (``_shrink``)."""
         path = os.path.join(self.directory, name)
-        temp = f"{path}.{os.getpid()}-{id(self):x}"
+        temp, data = f"{path}.{os.getpid()}-{id(self):x}", json.dumps(value)
+        self._lock_dir()
         try:
+            self._shrink(room=2 * len(data))  # the file and its replacement
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
             with os.fdopen(os.open(temp, flags, self.mode), "w") as f:
-                json.dump(value, f)
+                f.write(data)
             os.replace(temp, path)
         except OSError as e:
             logging.warning(f"[prompt cache] could not write {path}: {e!r}")
             if os.path.lexists(temp):
                 os.remove(temp)
+        finally:
+            self._unlock_dir()
 
     def _lock_dir(self):
         self._dir_lock.acquire()

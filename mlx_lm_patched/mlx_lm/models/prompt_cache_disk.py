@@ -169,6 +169,8 @@ class DiskPromptCache(PromptBlockDir):
                 logging.warning(f"[prompt cache] after writing {name}: {e!r}")
             finally:
                 self._queue.task_done()
+            self._save_rates()
+        self._save_rates(now=True)
         self._queue.task_done()
 
     def _write(self, name: str, state):
@@ -263,7 +265,6 @@ class DiskPromptCache(PromptBlockDir):
                     )
             read = self._restore_bytes(entry[3], self._named_blocks(header))
             self._observe(self._read, read, time.perf_counter() - start)
-            self._keep_rates()
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
@@ -357,9 +358,6 @@ class DiskPromptCache(PromptBlockDir):
         if self._closed:
             return 0
         self._closed = True
-        if self._read[1] or self._rates["prefill"][1]:  # measured: kept now
-            self._rates_kept = -self.rates_every
-            self._keep_rates()
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():  # it skips the rest, ends the file it writes

@@ -382,8 +382,9 @@ class PromptBlockDir(PromptCacheDir):
         return size
 
     def _shrink(self, free: int = 0, room: int = 0, keep=()):
-        """Count every entry file, block file and temporary file in the
-        directory (other processes' too) and remove the least recently used
+        """Count every entry file, block file, temporary file and file of
+        what is known (``digests_file``, ``rates_file``) in the directory
+        (other processes' too) and remove the least recently used
         entries until they fit ``max_bytes`` less ``room`` (what a write is
         about to add) and, with ``free``, take ``free`` fewer bytes; a block
         file goes when no remaining entry (nor ``keep``, the blocks of the
@@ -402,8 +403,12 @@ class PromptBlockDir(PromptCacheDir):
                     found.append((st.st_mtime_ns, e.name, st.st_size))
                 else:
                     blocks[e.name] = st.st_size
-            elif self._is_temp(e.name) and not self._remove_stale(e.path):
-                try:  # a live writer's (another version's) or a recent one's
+            elif (
+                self._is_temp(e.name)
+                and not self._remove_stale(e.path)
+                or e.name.startswith((self.digests_file, self.rates_file))
+            ):  # a live writer's temporary file (or a recent one's), what is known
+                try:
                     temps += e.stat(follow_symlinks=False).st_size
                 except OSError:
                     pass

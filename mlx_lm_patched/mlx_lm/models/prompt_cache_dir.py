@@ -11,7 +11,7 @@ import os
 import stat
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, List
 
 from .cache import PromptTrie
 from .prompt_cache_read import PromptCacheReader

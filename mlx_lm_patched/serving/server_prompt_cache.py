@@ -421,14 +421,15 @@ _RUN = """\
 +        # with it: its entries are queued as they are made).
 +        if not response_generator._generation_thread.is_alive():
 +            prompt_cache.trim_to(n_sequences=0)
++        queued, *before = disk.tally()
 +        logging.info(
-+            f"Prompt cache: writing {disk.queued} entries "
++            f"Prompt cache: writing {queued} entries "
 +            f"({disk.queued_bytes} B) to {directory}, for at most "
 +            f"{disk.drain_seconds} s"
 +        )
-+        start, before = time.perf_counter(), (disk.written, disk.dropped)
++        start = time.perf_counter()
 +        left = disk.close(timeout=disk.drain_seconds)
-+        written, dropped = disk.written - before[0], disk.dropped - before[1]
++        written, dropped = (n - b for n, b in zip(disk.tally()[1:], before))
 +        logging.info(
 +            f"Prompt cache: written {written} entries in "
 +            f"{time.perf_counter() - start:.2f} s"

@@ -72,6 +72,12 @@ class DiskPromptCache(PromptBlockDir):
         """Entries queued, not yet written."""
         return len(self._pending)
 
+    def tally(self):
+        """``(queued, written, dropped)`` read at one instant: the writer
+        moves an entry from the first to the second under the same lock."""
+        with self._lock:
+            return len(self._pending), self.written, self.dropped
+
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
         (its arrays are evaluated here, not copied); ``get`` serves it from

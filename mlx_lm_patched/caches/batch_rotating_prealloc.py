@@ -23,17 +23,20 @@ and ``trim`` rejects negative counts and never makes a row's offset negative.
 A batch with a ``slack`` keeps an undo ring over its columns while it decodes
 (``_hold``), reset by right padding and ``trim``; rows bring their slack and
 take their evicted tokens back out (``batch_rotating_rows``). A batch takes
-window checkpoints as rings do (``ring_checkpoints``).
+window checkpoints as rings do (``rotating_prealloc``; helpers: the new
+module ``mlx_lm/models/batch_ring_buffer.py``).
 """
 
 from typing import TYPE_CHECKING, List, Optional
 
 import mlx.core as mx
 
+from .._newmods import hooks, new_module
 from .._registry import Patch, targets
-from . import ring_checkpoints, ring_state
+from . import ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.models.batch_ring_buffer import _batch_checkpoints
     from mlx_lm.models.ring_buffer import (
         _check_update,
         _hold,
@@ -62,7 +65,6 @@ class BatchRotatingKVCache:
     checkpoint_every = 0
     max_checkpoints = 4
     checkpoints = ()
-    _checkpoint = ring_checkpoints.BatchRotatingKVCache._checkpoint
     _check_state = staticmethod(ring_state.BatchRotatingKVCache._check_state)
     # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
     # its own positions; the batch's own, taken since, are ``checkpoints``.
@@ -273,7 +275,7 @@ class BatchRotatingKVCache:
         self.rotated = False
         self.left_padding -= n + S - window
         if self.checkpoint_every:
-            self._checkpoint(sinks, [c[..., drop + lead :, :] for c in seen], S)
+            _batch_checkpoints(self, sinks, [c[..., drop + lead :, :] for c in seen], S)
         # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100, 4
         # prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB unpipelined
         # (the unbounded batch: 10.3), pipelined at 3.0 in the unbounded batch's
@@ -475,7 +477,11 @@ class BatchRotatingKVCache:
 PATCH = Patch(
     "batch_rotating_prealloc",
     "BatchRotatingKVCache: allocate the ring once, write in place, fix its masks",
-    targets(
+    new_module("mlx_lm.models.batch_ring_buffer")
+    + hooks(
+        "mlx_lm.models.cache", "mlx_lm.models.batch_ring_buffer", "_batch_checkpoints"
+    )
+    + targets(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         BatchRotatingKVCache,
         removes=("_trim", "_update_concat", "_update_in_place"),

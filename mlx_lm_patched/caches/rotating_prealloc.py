@@ -30,8 +30,26 @@ wrapped ring raise and change nothing. With ``slack`` the state carries five
 more items (the undo ring, slack and the positions it holds). Upstream cannot
 trim a wrapped ring at all, so prefix reuse on sliding-window models and
 speculative decoding with a bounded cache fail (ml-explore/mlx-lm#980).
-``RotatingKVCache(..., checkpoint_every=n)`` keeps copies of its window
-(``ring_checkpoints``).
+
+Window checkpoints: a wrapped ring (a sliding layer of gemma3-like models, a ``--max-kv-size``
+ring) has forgotten its oldest tokens, so a stored prompt cache cannot be
+trimmed back past its slack: a request that shares the first 1,200 tokens of
+a cached 1,500-token prompt on gemma3_text (window 256) prefilled all 1,240
+of its tokens again (issue #28; llama.cpp keeps ``--ctx-checkpoints`` for
+the same reason).
+
+A ring made with ``checkpoint_every=n`` (0 takes none) keeps, at each
+multiple of ``n`` a multi-token update reaches, a copy of its window in
+``checkpoints``, the newest ``max_checkpoints``. A checkpoint is cut from
+what attention reads anyway (the sinks, the last window and the chunk), so
+nothing is evaluated on its own: the copy is a dependency of the new ring.
+It must be a copy: the ring is written in place, and a reference would make
+MLX copy the whole ring at the next write. A trim drops the checkpoints past
+the new end and ``nbytes`` counts them. Batched rings take them at multiples
+of ``n`` columns of the batch's timeline; right padding gives a row none
+past its own tokens; rows keep theirs through ``merge``, ``extend``,
+``filter`` and ``extract`` (``batch_rotating_rows``). ``LRUPromptCache``
+restores the nearest one (``prompt_cache_store``).
 """
 
 from typing import TYPE_CHECKING, Optional
@@ -40,7 +58,6 @@ import mlx.core as mx
 
 from .._newmods import hooks, new_module
 from .._registry import Patch, targets
-from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.ring_buffer import (
@@ -48,6 +65,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _hold,
         _pipeline,
         _put,
+        _ring_checkpoints,
         _ring_slot,
         _sinks_and_newest,
         _stored,
@@ -71,13 +89,13 @@ class RotatingKVCache:
 
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
     # the window in ``checkpoints``, the newest ``max_checkpoints``
-    # (``_checkpoint``); 0: none. ``__init__`` sets these and ``slack``; the
-    # class values are those of a ring made from a state (``from_state``).
+    # (``_ring_checkpoints``); 0: none. ``__init__`` sets these and
+    # ``slack``; the class values are those of a ring made from a state
+    # (``from_state``).
     slack = 0
     checkpoint_every = 0
     max_checkpoints = 4
     checkpoints = ()
-    _checkpoint = ring_checkpoints.RotatingKVCache._checkpoint
 
     def __init__(
         self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=4
@@ -149,7 +167,7 @@ class RotatingKVCache:
             _sinks_and_newest(c[..., : self.keep, :], c, self.max_size) for c in seen
         )
         if self.checkpoint_every:
-            self._checkpoint(seen, self.offset - m + self.keep)
+            _ring_checkpoints(self, seen, self.offset - m + self.keep)
         _pipeline((*seen, self.keys, self.values), keys.shape[2])
         self.offset += keys.shape[2]
         self._idx = self.max_size
@@ -354,6 +372,7 @@ PATCH = Patch(
         "_hold",
         "_pipeline",
         "_put",
+        "_ring_checkpoints",
         "_ring_slot",
         "_sinks_and_newest",
         "_stored",

@@ -1,5 +1,8 @@
 """The preallocated ``RotatingKVCache``'s helpers: ring slots, in-place
-writes, the undo ring, state checks, and layers' updates pipelined."""
+writes, the undo ring, window checkpoints, state checks, and layers' updates
+pipelined."""
+
+import copy
 
 import mlx.core as mx
 
@@ -125,3 +128,30 @@ def _hold(cache, fetched, offset, source=None):
     cache._undo_keys[..., held, :] = keys[..., src, :]
     cache._undo_values[..., held, :] = values[..., src, :]
     return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
+
+
+def _ring_checkpoints(cache, seen, first):
+    """Keep ``cache``'s window at each multiple of ``checkpoint_every`` this
+    update reaches; ``seen`` holds the sinks, then positions from ``first``.
+    A checkpoint is a copy cut from what attention reads, evaluated with the
+    ring: a reference would make MLX copy the ring at its next write."""
+    every, keep = cache.checkpoint_every, cache.keep
+    end = first + seen[0].shape[2] - keep
+    taken = [c for c in cache.checkpoints if c.offset <= cache.offset]
+    new = []
+    positions = range((max(cache.offset, keep) // every + 1) * every, end + 1, every)
+    for p in positions[-cache.max_checkpoints :]:
+        j = p - first + keep
+        lo = max(keep, j - cache.max_size + keep)
+        snap = copy.copy(cache)
+        snap.keys, snap.values = (
+            mx.concatenate([x[..., :keep, :], x[..., lo:j, :]], axis=2) for x in seen
+        )
+        snap.offset, snap._idx, snap.checkpoints = p, min(p, cache.max_size), ()
+        snap._undo_keys = snap._undo_values = None
+        snap._lo = snap._hi = 0
+        new += [snap.keys, snap.values]
+        taken.append(snap)
+    cache.checkpoints = taken[-cache.max_checkpoints :]
+    if new:
+        cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)

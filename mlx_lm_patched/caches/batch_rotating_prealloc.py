@@ -36,7 +36,7 @@ from .._registry import Patch, targets
 from . import ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
-    from mlx_lm.models.batch_ring_buffer import _batch_checkpoints
+    from mlx_lm.models.batch_ring_buffer import _batch_checkpoints, _rolled_ring
     from mlx_lm.models.ring_buffer import (
         _check_update,
         _hold,
@@ -185,44 +185,6 @@ class BatchRotatingKVCache:
                 yield a + x - t, a + y - t
             t += b - a
 
-    def _rolled_ring(self, sources, sinks, runs, count):
-        """A new ring from ``sources`` (keys, values): their ``sinks`` (keys,
-        values), then the last ``count`` of the columns in
-        ``runs`` (source ranges, oldest first) once each row rolls the right
-        padding it has consumed to its left. The rolls are known on the host
-        (``_padded``): slices, one per run of neighbouring rows rolled alike,
-        no gather (MLX's CUDA gather copies a ring at a fraction of a copy's
-        speed) and no sync."""
-        rolls = self._rolls()
-        lengths, _, consumed = self._padded
-        self._padded = (lengths, consumed, consumed)
-        roll = mx.array(rolls)
-        self.left_padding += roll
-        self.offset = self.offset - roll
-        groups = []  # [first row, end row, roll]: neighbours rolled alike
-        for row, r in enumerate(rolls):
-            if groups and groups[-1][2] == r:
-                groups[-1][1] = row + 1
-            else:
-                groups.append([row, row + 1, r])
-        K = sum(b - a for a, b in runs)
-        copies = []  # (rows, source range, ring slot), for keys and values alike
-        for lo, hi, r in groups:
-            start, at = (K - count - r) % max(K, 1), self.keep
-            wrapped = self._columns(runs, 0, start + count - K)
-            for a, b in [*self._columns(runs, start, start + count), *wrapped]:
-                copies.append((lo, hi, a, b, at))
-                at += b - a
-        out = []
-        for src, sink in zip(sources, sinks):
-            B, H, _, D = src.shape
-            ring = mx.zeros((B, H, self.max_size, D), src.dtype)
-            ring = _put(ring, sink, [0])
-            for lo, hi, a, b, at in copies:
-                ring = _put(ring, src[lo:hi, :, a:b], [lo, at], (0, 2))
-            out.append(ring)
-        return tuple(out)
-
     def _rolls(self):
         """Each row's roll of the right padding given since the last roll
         (``_padded``: lengths, tokens rolled, tokens given)."""
@@ -270,7 +232,7 @@ class BatchRotatingKVCache:
             )
         else:  # dropped, live and new columns, the sinks after the dropped
             runs = [(0, drop), (drop + lead, seen[0].shape[2])]
-            self.keys, self.values = self._rolled_ring(seen, sinks, runs, window)
+            self.keys, self.values = _rolled_ring(self, seen, sinks, runs, window)
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
@@ -362,7 +324,9 @@ class BatchRotatingKVCache:
                 n = min(self._offset, self.max_size - self.keep)
                 held = (self.keys, self.values)
                 sinks = [c[..., : self.keep, :] for c in held]
-                self.keys, self.values = self._rolled_ring(held, sinks, self._runs(), n)
+                self.keys, self.values = _rolled_ring(
+                    self, held, sinks, self._runs(), n
+                )
                 self._idx = self.keep + n
                 self.rotated = False
                 self._reset_undo(self.slack)
@@ -479,7 +443,10 @@ PATCH = Patch(
     "BatchRotatingKVCache: allocate the ring once, write in place, fix its masks",
     new_module("mlx_lm.models.batch_ring_buffer")
     + hooks(
-        "mlx_lm.models.cache", "mlx_lm.models.batch_ring_buffer", "_batch_checkpoints"
+        "mlx_lm.models.cache",
+        "mlx_lm.models.batch_ring_buffer",
+        "_batch_checkpoints",
+        "_rolled_ring",
     )
     + targets(
         "mlx_lm.models.cache:BatchRotatingKVCache",

@@ -1,9 +1,11 @@
-"""The preallocated ``BatchRotatingKVCache``'s helpers: window checkpoints
-and state checks."""
+"""The preallocated ``BatchRotatingKVCache``'s helpers: rings rolled from
+slices, window checkpoints and state checks."""
 
 import copy
 
 import mlx.core as mx
+
+from .ring_buffer import _put
 
 
 def _batch_checkpoints(cache, sinks, columns, S):
@@ -42,3 +44,42 @@ def _batch_checkpoints(cache, sinks, columns, S):
     cache.checkpoints = taken[-cache.max_checkpoints :]
     if new:  # evaluated with the ring
         cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)
+
+
+def _rolled_ring(cache, sources, sinks, runs, count):
+    """A new ring from ``sources`` (keys, values): their ``sinks`` (keys,
+    values), then the last ``count`` of the columns in
+    ``runs`` (source ranges, oldest first) once each row rolls the right
+    padding it has consumed to its left. The rolls are known on the host
+    (``_padded``): slices, one per run of neighbouring rows rolled alike,
+    no gather (MLX's CUDA gather copies a ring at a fraction of a copy's
+    speed) and no sync."""
+    rolls = cache._rolls()
+    lengths, _, consumed = cache._padded
+    cache._padded = (lengths, consumed, consumed)
+    roll = mx.array(rolls)
+    cache.left_padding += roll
+    cache.offset = cache.offset - roll
+    groups = []  # [first row, end row, roll]: neighbours rolled alike
+    for row, r in enumerate(rolls):
+        if groups and groups[-1][2] == r:
+            groups[-1][1] = row + 1
+        else:
+            groups.append([row, row + 1, r])
+    K = sum(b - a for a, b in runs)
+    copies = []  # (rows, source range, ring slot), for keys and values alike
+    for lo, hi, r in groups:
+        start, at = (K - count - r) % max(K, 1), cache.keep
+        wrapped = cache._columns(runs, 0, start + count - K)
+        for a, b in [*cache._columns(runs, start, start + count), *wrapped]:
+            copies.append((lo, hi, a, b, at))
+            at += b - a
+    out = []
+    for src, sink in zip(sources, sinks):
+        B, H, _, D = src.shape
+        ring = mx.zeros((B, H, cache.max_size, D), src.dtype)
+        ring = _put(ring, sink, [0])
+        for lo, hi, a, b, at in copies:
+            ring = _put(ring, src[lo:hi, :, a:b], [lo, at], (0, 2))
+        out.append(ring)
+    return tuple(out)

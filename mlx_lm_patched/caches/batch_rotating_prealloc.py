@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, List, Optional
 
 import mlx.core as mx
 
-from .._newmods import hooks, new_module
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
-from . import ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.batch_ring_buffer import _batch_checkpoints, _rolled_ring
@@ -44,6 +43,11 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _put,
         _sinks_and_newest,
     )
+
+# The state check, a function of the new module that the class binds.
+_check_batch_ring_state = defined(
+    "mlx_lm.models.batch_ring_buffer", "_check_batch_ring_state"
+)
 
 
 # Written as it reads in mlx_lm/models/cache.py, and run there.
@@ -65,7 +69,7 @@ class BatchRotatingKVCache:
     checkpoint_every = 0
     max_checkpoints = 4
     checkpoints = ()
-    _check_state = staticmethod(ring_state.BatchRotatingKVCache._check_state)
+    _check_state = staticmethod(_check_batch_ring_state)
     # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
     # its own positions; the batch's own, taken since, are ``checkpoints``.
     row_checkpoints = ()
@@ -446,6 +450,7 @@ PATCH = Patch(
         "mlx_lm.models.cache",
         "mlx_lm.models.batch_ring_buffer",
         "_batch_checkpoints",
+        "_check_batch_ring_state",
         "_rolled_ring",
     )
     + targets(

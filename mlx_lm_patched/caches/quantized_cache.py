@@ -52,18 +52,22 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .._newmods import hooks, new_module
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.quantized_layout import (
-        _check_quantized,
         _kv_quant_layout,
         _kv_quantize,
         _start_tail,
         _tail_update,
     )
     from mlx_lm.models.ring_buffer import _pipeline
+
+# The state check, a function of the new module that the class binds.
+_check_quantized_state = defined(
+    "mlx_lm.models.quantized_layout", "_check_quantized_state"
+)
 
 
 class _QuantizedKVCache:
@@ -264,14 +268,7 @@ class _QuantizedKVCache:
         self.reserved = 0
         self._tail = self._step = None
 
-    @staticmethod
-    def _check_state(v):
-        if len(v) not in (5, 7):
-            raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
-        keys, values, offset, group_size, bits = v[:5]
-        n = _check_quantized(keys, values, group_size, bits, *v[5:])
-        if not 0 <= offset <= n:
-            raise ValueError(f"offset {offset} is not within the {n} tokens stored")
+    _check_state = staticmethod(_check_quantized_state)
 
     def trim(self, n):
         if not isinstance(n, int):
@@ -370,6 +367,7 @@ PATCH = Patch(
         "mlx_lm.models.cache",
         "mlx_lm.models.quantized_layout",
         "_check_quantized",
+        "_check_quantized_state",
         "_kv_quant_layout",
         "_kv_quantize",
         "_start_tail",

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
-from .._newmods import hooks, new_module
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
@@ -70,6 +70,9 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _sinks_and_newest,
         _stored,
     )
+
+# The state check, a function of the new module that the class binds.
+_check_ring_state = defined("mlx_lm.models.ring_buffer", "_check_ring_state")
 
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
@@ -234,39 +237,7 @@ class RotatingKVCache:
         self._undo_keys, self._undo_values, self.slack, self._lo, self._hi = undo
         self._step = None
 
-    @staticmethod
-    def _check_state(v):
-        if len(v) not in (6, 11):
-            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6 or 11")
-        keys, values, offset, keep, max_size, _idx = v[:6]
-        n = _stored(keys, values)
-        if max_size < 1 or not 0 <= keep < max_size:
-            raise ValueError(
-                f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
-            )
-        if offset < 0:
-            raise ValueError(f"offset {offset} is negative")
-        if n < min(offset, max_size):
-            raise ValueError(f"{n} tokens stored for offset {offset}")
-        # Upstream's ring holds more than max_size tokens right after a
-        # multi-token update, in temporal order with _idx at the end.
-        if n > max_size and not _idx == n <= offset:
-            raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
-        # Slot ``_idx`` is next: the oldest once wrapped, else at ``offset``.
-        if not (keep <= _idx <= n if offset > max_size else _idx == offset):
-            raise ValueError(
-                f"_idx {_idx} does not fit offset {offset} and keep {keep}"
-            )
-        if len(v) == 11:
-            undo_keys, undo_values, slack, lo, hi = v[6:]
-            held = _stored(undo_keys, undo_values)
-            if not 0 < slack <= max_size - keep or held not in (0, 2 * slack):
-                raise ValueError(
-                    f"slack {slack} with {held} undo slots: need 0 < slack <= "
-                    f"max_size - keep and 0 or 2 * slack slots"
-                )
-            if not (held and keep <= lo <= hi <= lo + held) and lo | hi:
-                raise ValueError(f"undo positions [{lo}, {hi}) do not fit its slots")
+    _check_state = staticmethod(_check_ring_state)
 
     def trimmable_tokens(self):
         """How many tokens ``trim`` can take off exactly: all of them until
@@ -368,6 +339,7 @@ PATCH = Patch(
     + hooks(
         "mlx_lm.models.cache",
         "mlx_lm.models.ring_buffer",
+        "_check_ring_state",
         "_check_update",
         "_hold",
         "_pipeline",

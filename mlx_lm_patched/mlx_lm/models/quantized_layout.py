@@ -196,3 +196,14 @@ def _tail_update(cache, keys, values):
         _TailFetch((*cache._values, tv, lengths), values, t, cache),
     )
     return cache._step
+
+
+def _check_quantized_state(v):
+    """Raise ``ValueError`` saying how the ``QuantizedKVCache`` state ``v``
+    contradicts itself."""
+    if len(v) not in (5, 7):
+        raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
+    keys, values, offset, group_size, bits = v[:5]
+    n = _check_quantized(keys, values, group_size, bits, *v[5:])
+    if not 0 <= offset <= n:
+        raise ValueError(f"offset {offset} is not within the {n} tokens stored")

@@ -68,7 +68,6 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _ring_checkpoints,
         _ring_slot,
         _sinks_and_newest,
-        _stored,
     )
 
 # The state check, a function of the new module that the class binds.
@@ -347,7 +346,6 @@ PATCH = Patch(
         "_ring_checkpoints",
         "_ring_slot",
         "_sinks_and_newest",
-        "_stored",
     )
     + targets(
         "mlx_lm.models.cache:RotatingKVCache",

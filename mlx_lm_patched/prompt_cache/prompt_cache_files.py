@@ -125,8 +125,12 @@ PATCH = Patch(
         "prompt_cache_layout",
         "prompt_cache_mismatch",
     )
+    + hooks("mlx_lm.models.cache", "mlx_lm.models.ring_buffer", "_stored")
     + targets("mlx_lm.models.cache", load_prompt_cache)
     + targets("mlx_lm.models.cache:KVCache", KVCache)
     + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),
-    requires=("mlx_lm.models.cache:RotatingKVCache._check_state",),
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache._check_state",
+        "mlx_lm.models:ring_buffer",
+    ),
 )

@@ -77,6 +77,27 @@ class FromModule:
     module: str
 
 
+def defined(module: str, name: str):
+    """``name`` as the new module ``module`` defines it, for a patch's class
+    body to bind (``_check_state = staticmethod(_check_ring_state)``): the
+    module run once (``load``), the new modules it imports first, and left
+    out of ``sys.modules`` until installed."""
+    needed = [module]
+    for m in needed:
+        needed += [i for i, _ in NewModule(m).imports() if NewModule(i).path.exists()]
+    held = {m: sys.modules.get(m) for m in needed}
+    try:
+        for m in reversed(needed):
+            NewModule(m).load()
+        return getattr(sys.modules[module], name)
+    finally:
+        for m, was in held.items():
+            if was is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = was
+
+
 def new_module(name: str) -> List["_registry.Target"]:
     """The target installing ``NewModule(name)``, an attribute of its package."""
     package, _, attr = name.rpartition(".")
@@ -86,6 +107,13 @@ def new_module(name: str) -> List["_registry.Target"]:
 def hooks(owner: str, module: str, *names: str) -> List["_registry.Target"]:
     """``from module import *names`` into upstream's ``owner``: the hooks."""
     return [_registry.Target(owner, n, FromModule(module), None) for n in names]
+
+
+def defines(fn) -> bool:
+    """Whether the function ``fn`` is a new module's (``defined``)."""
+    if not isinstance(fn, types.FunctionType) or not fn.__module__:
+        return False
+    return fn.__code__.co_filename == str(NewModule(fn.__module__).path)
 
 
 def is_new(new) -> bool:

@@ -225,13 +225,14 @@ def _unbound(obj, namespace: dict) -> List[str]:
 def pasted_into(module: str, obj: Any) -> Any:
     """``obj`` as if its source were pasted into ``module``: its functions (a
     property's accessors too) look their global names up there, so the patch
-    runs exactly as its upstream diff would, and a name the module lacks fails."""
+    runs exactly as its upstream diff would, and a name the module lacks fails.
+    A function of mlx-lm's (a new module's) stays as it is."""
     if isinstance(obj, property):
         fget, fset = (f and pasted_into(module, f) for f in (obj.fget, obj.fset))
         return property(fget, fset, doc=obj.__doc__)
     if isinstance(obj, (classmethod, staticmethod)):
         return type(obj)(pasted_into(module, obj.__func__))
-    if not isinstance(obj, types.FunctionType):
+    if not isinstance(obj, types.FunctionType) or obj.__module__.startswith("mlx_lm."):
         return obj
     namespace = vars(importlib.import_module(module))
     fn = types.FunctionType(

@@ -6,7 +6,7 @@ re-renders the end of the previous answer differently still reuses the
 previous turn's cache (see ``rotating_prealloc``), where upstream prefills
 it all again. They keep a checkpoint of their window every
 ``--prompt-cache-checkpoint-every`` tokens of a prompt (see
-``ring_checkpoints``): a request that branches off a cached prompt past the
+``rotating_prealloc``): a request that branches off a cached prompt past the
 window (an edited message) prefills from the nearest checkpoint before the
 branch, not from the start. The server passes both to ``make_prompt_cache``.
 

@@ -2,9 +2,9 @@
 plain per-row window over its real tokens, through every batch operation."""
 
 import random
+import sys
 
 import mlx.core as mx
-import mlx_lm.models.cache as cache_module
 import pytest
 from fuzzing import apply_batch_op, batch_ops, chunk_sizes, fuzz, prefill_chunks
 from hypothesis import given
@@ -183,9 +183,10 @@ def test_right_padding_is_rolled_in_one_copy_per_run_of_rows_rolled_alike(
     and keeps the ring as it is."""
     cache = BatchRotatingKVCache(8, left_padding=[0] * 4, keep=2)
     cache.prepare(lengths=[12, 12, 9, 9], right_padding=[0, 0, 3, 3])
-    puts, put = [], cache_module._put
+    helpers = sys.modules["mlx_lm.models.batch_ring_buffer"]  # _rolled_ring's
+    puts, put = [], helpers._put
     monkeypatch.setattr(
-        cache_module, "_put", lambda b, u, *a: puts.append(u.shape) or put(b, u, *a)
+        helpers, "_put", lambda b, u, *a: puts.append(u.shape) or put(b, u, *a)
     )
     cache.update_and_fetch(*random_kv(4, 2, 12, 8))
     rows = sorted(shape[0] for shape in puts if shape[2] != cache.keep)

@@ -72,10 +72,10 @@ def test_split_softmax_over_packed_keys_equals_dequantized_attention(
 def test_a_step_s_lengths_are_a_view_of_one_zero_made_once():
     """A decode step's lengths (an array's shape) are made once a step, each
     a view of the same zero: no kernel a step."""
-    a = cache._decode_lengths(200, 11)
-    assert cache._decode_lengths(200, 11) is a and a.shape == (201, 12)
+    a = quantized_layout._decode_lengths(200, 11)
+    assert quantized_layout._decode_lengths(200, 11) is a and a.shape == (201, 12)
     zero = quantized_layout._decode_lengths_made[None]
-    b = cache._decode_lengths(201, 12)
+    b = quantized_layout._decode_lengths(201, 12)
     assert b.shape == (202, 13) and quantized_layout._decode_lengths_made[None] is zero
     assert len(quantized_layout._decode_lengths_made) == 2  # the zero and this step's
 
@@ -90,7 +90,7 @@ def test_a_cache_s_tail_is_one_more_range_read_as_it_is(D, group_size, L, mask):
     q_keys, q_values = quantized_cache(1, 2, 240, D, group_size, 4)
     tails = random_kv(1, 2, 16, D)
     queries = mx.array(rng.standard_normal((1, 8, L, D), dtype=np.float32))
-    lengths = cache._decode_lengths(200, 11)
+    lengths = quantized_layout._decode_lengths(200, 11)
     five = [(*p, t, lengths) for p, t in zip((q_keys, q_values), tails)]
     keys, values = (
         mx.concatenate(

@@ -94,8 +94,9 @@ def replacement_lines(
     new, attr: str, indent: str, origin=None, cls: Optional[str] = None
 ) -> List[str]:
     """The source of ``new`` re-indented to ``indent``, as written in its
-    module (a property's getter, setter and the blank lines between). A
-    module is an ``import``; any other value is its assignment in ``origin``
+    module (a property's getter, setter and the blank lines between); a new
+    module's function a class binds, the binding in ``origin``. A module is
+    an ``import``; any other value is its assignment in ``origin``
     (the patch's file), else its ``repr`` if that reads back equal."""
     if isinstance(new, types.ModuleType):
         line = f"import {new.__name__}"
@@ -113,6 +114,10 @@ def replacement_lines(
         if not same:
             raise GenerateError(f"{attr}: cannot write {type(new).__name__} as source")
         return [indent + text]
+    if cls is not None and all(_newmods.defines(f) for f in funcs):
+        found = _assignment_lines(attr, cls, origin)  # the class's binding
+        if found:
+            return reindent(found, re.match(r"[ \t]*", found[0]).group(0), indent)
     blocks = sorted(source_block(f) for f in funcs)
     out: List[str] = []
     for i, (s, e, file_lines) in enumerate(blocks):

@@ -23,17 +23,19 @@ and ``trim`` rejects negative counts and never makes a row's offset negative.
 A batch with a ``slack`` keeps an undo ring over its columns while it decodes
 (``_hold``), reset by right padding and ``trim``; rows bring their slack and
 take their evicted tokens back out (``batch_rotating_rows``). A batch takes
-window checkpoints as rings do (``ring_checkpoints``).
+window checkpoints as rings do (``rotating_prealloc``; helpers: the new
+module ``mlx_lm/models/batch_ring_buffer.py``).
 """
 
 from typing import TYPE_CHECKING, List, Optional
 
 import mlx.core as mx
 
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
-from . import ring_checkpoints, ring_state
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.models.batch_ring_buffer import _batch_checkpoints, _rolled_ring
     from mlx_lm.models.ring_buffer import (
         _check_update,
         _hold,
@@ -41,6 +43,11 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _put,
         _sinks_and_newest,
     )
+
+# The state check, a function of the new module that the class binds.
+_check_batch_ring_state = defined(
+    "mlx_lm.models.batch_ring_buffer", "_check_batch_ring_state"
+)
 
 
 # Written as it reads in mlx_lm/models/cache.py, and run there.
@@ -62,8 +69,7 @@ class BatchRotatingKVCache:
     checkpoint_every = 0
     max_checkpoints = 4
     checkpoints = ()
-    _checkpoint = ring_checkpoints.BatchRotatingKVCache._checkpoint
-    _check_state = staticmethod(ring_state.BatchRotatingKVCache._check_state)
+    _check_state = staticmethod(_check_batch_ring_state)
     # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
     # its own positions; the batch's own, taken since, are ``checkpoints``.
     row_checkpoints = ()
@@ -183,44 +189,6 @@ class BatchRotatingKVCache:
                 yield a + x - t, a + y - t
             t += b - a
 
-    def _rolled_ring(self, sources, sinks, runs, count):
-        """A new ring from ``sources`` (keys, values): their ``sinks`` (keys,
-        values), then the last ``count`` of the columns in
-        ``runs`` (source ranges, oldest first) once each row rolls the right
-        padding it has consumed to its left. The rolls are known on the host
-        (``_padded``): slices, one per run of neighbouring rows rolled alike,
-        no gather (MLX's CUDA gather copies a ring at a fraction of a copy's
-        speed) and no sync."""
-        rolls = self._rolls()
-        lengths, _, consumed = self._padded
-        self._padded = (lengths, consumed, consumed)
-        roll = mx.array(rolls)
-        self.left_padding += roll
-        self.offset = self.offset - roll
-        groups = []  # [first row, end row, roll]: neighbours rolled alike
-        for row, r in enumerate(rolls):
-            if groups and groups[-1][2] == r:
-                groups[-1][1] = row + 1
-            else:
-                groups.append([row, row + 1, r])
-        K = sum(b - a for a, b in runs)
-        copies = []  # (rows, source range, ring slot), for keys and values alike
-        for lo, hi, r in groups:
-            start, at = (K - count - r) % max(K, 1), self.keep
-            wrapped = self._columns(runs, 0, start + count - K)
-            for a, b in [*self._columns(runs, start, start + count), *wrapped]:
-                copies.append((lo, hi, a, b, at))
-                at += b - a
-        out = []
-        for src, sink in zip(sources, sinks):
-            B, H, _, D = src.shape
-            ring = mx.zeros((B, H, self.max_size, D), src.dtype)
-            ring = _put(ring, sink, [0])
-            for lo, hi, a, b, at in copies:
-                ring = _put(ring, src[lo:hi, :, a:b], [lo, at], (0, 2))
-            out.append(ring)
-        return tuple(out)
-
     def _rolls(self):
         """Each row's roll of the right padding given since the last roll
         (``_padded``: lengths, tokens rolled, tokens given)."""
@@ -268,12 +236,12 @@ class BatchRotatingKVCache:
             )
         else:  # dropped, live and new columns, the sinks after the dropped
             runs = [(0, drop), (drop + lead, seen[0].shape[2])]
-            self.keys, self.values = self._rolled_ring(seen, sinks, runs, window)
+            self.keys, self.values = _rolled_ring(self, seen, sinks, runs, window)
         self._idx = self.max_size
         self.rotated = False
         self.left_padding -= n + S - window
         if self.checkpoint_every:
-            self._checkpoint(sinks, [c[..., drop + lead :, :] for c in seen], S)
+            _batch_checkpoints(self, sinks, [c[..., drop + lead :, :] for c in seen], S)
         # Measured necessary: a BatchGenerator prefill (Llama-8B shape, H100, 4
         # prompts of 1500-3000 tokens, ring 2048) peaked at 11.1 GiB unpipelined
         # (the unbounded batch: 10.3), pipelined at 3.0 in the unbounded batch's
@@ -360,7 +328,9 @@ class BatchRotatingKVCache:
                 n = min(self._offset, self.max_size - self.keep)
                 held = (self.keys, self.values)
                 sinks = [c[..., : self.keep, :] for c in held]
-                self.keys, self.values = self._rolled_ring(held, sinks, self._runs(), n)
+                self.keys, self.values = _rolled_ring(
+                    self, held, sinks, self._runs(), n
+                )
                 self._idx = self.keep + n
                 self.rotated = False
                 self._reset_undo(self.slack)
@@ -475,7 +445,15 @@ class BatchRotatingKVCache:
 PATCH = Patch(
     "batch_rotating_prealloc",
     "BatchRotatingKVCache: allocate the ring once, write in place, fix its masks",
-    targets(
+    new_module("mlx_lm.models.batch_ring_buffer")
+    + hooks(
+        "mlx_lm.models.cache",
+        "mlx_lm.models.batch_ring_buffer",
+        "_batch_checkpoints",
+        "_check_batch_ring_state",
+        "_rolled_ring",
+    )
+    + targets(
         "mlx_lm.models.cache:BatchRotatingKVCache",
         BatchRotatingKVCache,
         removes=("_trim", "_update_concat", "_update_in_place"),

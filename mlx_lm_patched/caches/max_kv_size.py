@@ -14,7 +14,7 @@ built; a ring no larger than ``keep`` keeps ``max_kv_size - 1`` first tokens.
 
 ``make_prompt_cache(model, max_kv_size, slack=n, checkpoint_every=m)`` makes
 every ``RotatingKVCache`` layer with that slack (at most its window) and
-checkpoint interval (``rotating_prealloc``, ``ring_checkpoints``): a server
+checkpoint interval (``rotating_prealloc``): a server
 passes them, no class attribute is set for the process.
 """
 

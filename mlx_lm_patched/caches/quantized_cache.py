@@ -52,18 +52,22 @@ import mlx.core as mx
 from mlx.utils import tree_map, tree_reduce
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .._newmods import hooks, new_module
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.quantized_layout import (
-        _check_quantized,
-        _decode_lengths,
         _kv_quant_layout,
         _kv_quantize,
-        _TailFetch,
+        _start_tail,
+        _tail_update,
     )
     from mlx_lm.models.ring_buffer import _pipeline
+
+# The state check, a function of the new module that the class binds.
+_check_quantized_state = defined(
+    "mlx_lm.models.quantized_layout", "_check_quantized_state"
+)
 
 
 class _QuantizedKVCache:
@@ -119,7 +123,7 @@ class _QuantizedKVCache:
     def update_and_fetch(self, keys, values):
         B, n_kv_heads, num_steps, k_head_dim = keys.shape
         v_head_dim = values.shape[-1]
-        if num_steps <= 8 and (self._tail is not None or self._start_tail()):
+        if num_steps <= 8 and (self._tail is not None or _start_tail(self)):
             tk, tv = self._tail
             if (
                 (B, n_kv_heads, k_head_dim, v_head_dim)
@@ -127,7 +131,7 @@ class _QuantizedKVCache:
                 and values.shape[:3] == (B, n_kv_heads, num_steps)
                 and keys.dtype == values.dtype == tk.dtype
             ):
-                return self._tail_update(keys, values)
+                return _tail_update(self, keys, values)
         dtype = str(keys.dtype).rpartition(".")[2]
         if (
             keys.shape[:3] != values.shape[:3]
@@ -185,49 +189,6 @@ class _QuantizedKVCache:
             return self.reserved
         capacity = max(end, capacity + capacity // 2)
         return (capacity + self.step - 1) // self.step * self.step
-
-    def _start_tail(self):
-        """Give a decode step a tail if it can have one: on CUDA, after the
-        prompt, 4 or 8 bits, a half-precision cache of one head dim up to
-        128 (what the decode kernel reads)."""
-        if (
-            not self.decode_tail
-            or self._keys is None
-            or self.bits not in (4, 8)
-            or self.dtype not in ("bfloat16", "float16")
-            or self.head_dims[0] != self.head_dims[1]
-            or self.head_dims[0] > 128
-        ):
-            return False
-        shape = (*self._keys[0].shape[:2], self.decode_tail, self.head_dims[0])
-        dtype = getattr(mx, self.dtype)
-        self._tail = (mx.zeros(shape, dtype), mx.zeros(shape, dtype))
-        # The decode kernel's, one a batch row and KV head (merge_ranges);
-        # 16 bytes or more: MLX keeps arrays of up to 8 in managed memory.
-        self._counters = mx.zeros((max(4, shape[0] * shape[1]),), mx.uint32)
-        return True
-
-    def _tail_update(self, keys, values):
-        """Write a decode step's tokens into the tail (quantizing it first if
-        they do not fit); the buffers for ``quantized_decode_attention``:
-        ``(packed, scales, biases, tail, lengths)`` of keys and of values,
-        the tokens ``[0, quantized)`` packed and the next ``tail`` in the
-        tail (``_decode_lengths``). The tail is written lazily
-        (``_TailFetch``): the kernel writes it with the step's tokens as it
-        reads them, and nothing evaluates the write here."""
-        n = keys.shape[2]
-        if self._tail_len + n > self._tail[0].shape[2]:
-            self._flush()
-        tk, tv = self._written_tail()
-        t = self._tail_len
-        self.offset += n
-        self._tail_len = t + n
-        lengths = _decode_lengths(self.offset - t - n, t + n)
-        self._step = (
-            _TailFetch((*self._keys, tk, lengths), keys, t, self),
-            _TailFetch((*self._values, tv, lengths), values, t, self),
-        )
-        return self._step
 
     def _written_tail(self):
         """The tail with the last decode step's tokens in it (written here if
@@ -307,14 +268,7 @@ class _QuantizedKVCache:
         self.reserved = 0
         self._tail = self._step = None
 
-    @staticmethod
-    def _check_state(v):
-        if len(v) not in (5, 7):
-            raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
-        keys, values, offset, group_size, bits = v[:5]
-        n = _check_quantized(keys, values, group_size, bits, *v[5:])
-        if not 0 <= offset <= n:
-            raise ValueError(f"offset {offset} is not within the {n} tokens stored")
+    _check_state = staticmethod(_check_quantized_state)
 
     def trim(self, n):
         if not isinstance(n, int):
@@ -412,11 +366,12 @@ PATCH = Patch(
     + hooks(
         "mlx_lm.models.cache",
         "mlx_lm.models.quantized_layout",
-        "_TailFetch",
         "_check_quantized",
-        "_decode_lengths",
+        "_check_quantized_state",
         "_kv_quant_layout",
         "_kv_quantize",
+        "_start_tail",
+        "_tail_update",
     )
     + targets("mlx_lm.models.cache", os)
     + targets("mlx_lm.models.cache:QuantizedKVCache", _QuantizedKVCache)

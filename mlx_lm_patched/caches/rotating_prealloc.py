@@ -30,17 +30,34 @@ wrapped ring raise and change nothing. With ``slack`` the state carries five
 more items (the undo ring, slack and the positions it holds). Upstream cannot
 trim a wrapped ring at all, so prefix reuse on sliding-window models and
 speculative decoding with a bounded cache fail (ml-explore/mlx-lm#980).
-``RotatingKVCache(..., checkpoint_every=n)`` keeps copies of its window
-(``ring_checkpoints``).
+
+Window checkpoints: a wrapped ring (a sliding layer of gemma3-like models, a ``--max-kv-size``
+ring) has forgotten its oldest tokens, so a stored prompt cache cannot be
+trimmed back past its slack: a request that shares the first 1,200 tokens of
+a cached 1,500-token prompt on gemma3_text (window 256) prefilled all 1,240
+of its tokens again (issue #28; llama.cpp keeps ``--ctx-checkpoints`` for
+the same reason).
+
+A ring made with ``checkpoint_every=n`` (0 takes none) keeps, at each
+multiple of ``n`` a multi-token update reaches, a copy of its window in
+``checkpoints``, the newest ``max_checkpoints``. A checkpoint is cut from
+what attention reads anyway (the sinks, the last window and the chunk), so
+nothing is evaluated on its own: the copy is a dependency of the new ring.
+It must be a copy: the ring is written in place, and a reference would make
+MLX copy the whole ring at the next write. A trim drops the checkpoints past
+the new end and ``nbytes`` counts them. Batched rings take them at multiples
+of ``n`` columns of the batch's timeline; right padding gives a row none
+past its own tokens; rows keep theirs through ``merge``, ``extend``,
+``filter`` and ``extract`` (``batch_rotating_rows``). ``LRUPromptCache``
+restores the nearest one (``prompt_cache_store``).
 """
 
 from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
-from .._newmods import hooks, new_module
+from .._newmods import defined, hooks, new_module
 from .._registry import Patch, targets
-from . import ring_checkpoints
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.ring_buffer import (
@@ -48,10 +65,13 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
         _hold,
         _pipeline,
         _put,
+        _ring_checkpoints,
         _ring_slot,
         _sinks_and_newest,
-        _stored,
     )
+
+# The state check, a function of the new module that the class binds.
+_check_ring_state = defined("mlx_lm.models.ring_buffer", "_check_ring_state")
 
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
@@ -71,13 +91,13 @@ class RotatingKVCache:
 
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
     # the window in ``checkpoints``, the newest ``max_checkpoints``
-    # (``_checkpoint``); 0: none. ``__init__`` sets these and ``slack``; the
-    # class values are those of a ring made from a state (``from_state``).
+    # (``_ring_checkpoints``); 0: none. ``__init__`` sets these and
+    # ``slack``; the class values are those of a ring made from a state
+    # (``from_state``).
     slack = 0
     checkpoint_every = 0
     max_checkpoints = 4
     checkpoints = ()
-    _checkpoint = ring_checkpoints.RotatingKVCache._checkpoint
 
     def __init__(
         self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=4
@@ -149,7 +169,7 @@ class RotatingKVCache:
             _sinks_and_newest(c[..., : self.keep, :], c, self.max_size) for c in seen
         )
         if self.checkpoint_every:
-            self._checkpoint(seen, self.offset - m + self.keep)
+            _ring_checkpoints(self, seen, self.offset - m + self.keep)
         _pipeline((*seen, self.keys, self.values), keys.shape[2])
         self.offset += keys.shape[2]
         self._idx = self.max_size
@@ -216,39 +236,7 @@ class RotatingKVCache:
         self._undo_keys, self._undo_values, self.slack, self._lo, self._hi = undo
         self._step = None
 
-    @staticmethod
-    def _check_state(v):
-        if len(v) not in (6, 11):
-            raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6 or 11")
-        keys, values, offset, keep, max_size, _idx = v[:6]
-        n = _stored(keys, values)
-        if max_size < 1 or not 0 <= keep < max_size:
-            raise ValueError(
-                f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
-            )
-        if offset < 0:
-            raise ValueError(f"offset {offset} is negative")
-        if n < min(offset, max_size):
-            raise ValueError(f"{n} tokens stored for offset {offset}")
-        # Upstream's ring holds more than max_size tokens right after a
-        # multi-token update, in temporal order with _idx at the end.
-        if n > max_size and not _idx == n <= offset:
-            raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
-        # Slot ``_idx`` is next: the oldest once wrapped, else at ``offset``.
-        if not (keep <= _idx <= n if offset > max_size else _idx == offset):
-            raise ValueError(
-                f"_idx {_idx} does not fit offset {offset} and keep {keep}"
-            )
-        if len(v) == 11:
-            undo_keys, undo_values, slack, lo, hi = v[6:]
-            held = _stored(undo_keys, undo_values)
-            if not 0 < slack <= max_size - keep or held not in (0, 2 * slack):
-                raise ValueError(
-                    f"slack {slack} with {held} undo slots: need 0 < slack <= "
-                    f"max_size - keep and 0 or 2 * slack slots"
-                )
-            if not (held and keep <= lo <= hi <= lo + held) and lo | hi:
-                raise ValueError(f"undo positions [{lo}, {hi}) do not fit its slots")
+    _check_state = staticmethod(_check_ring_state)
 
     def trimmable_tokens(self):
         """How many tokens ``trim`` can take off exactly: all of them until
@@ -350,13 +338,14 @@ PATCH = Patch(
     + hooks(
         "mlx_lm.models.cache",
         "mlx_lm.models.ring_buffer",
+        "_check_ring_state",
         "_check_update",
         "_hold",
         "_pipeline",
         "_put",
+        "_ring_checkpoints",
         "_ring_slot",
         "_sinks_and_newest",
-        "_stored",
     )
     + targets(
         "mlx_lm.models.cache:RotatingKVCache",

@@ -25,7 +25,7 @@ raised ``KeyError``, ``TypeError``, an error naming no file, or nothing.
 ``prompt_cache_mismatch`` says why a cache cannot serve a model (another
 layer count or head layout; ``prompt_cache_layout``), for ``generate
 --prompt-cache-file`` and the server's disk tier. Rings' window checkpoints
-stored after the layers (``ring_checkpoints``, ``prompt_cache_state``) go
+stored after the layers (``rotating_prealloc``, ``prompt_cache_state``) go
 back on their rings, each checked against its ring (``_with_checkpoints``).
 A path that is not a regular file (a FIFO: upstream's ``mx.load`` blocks
 for good) is refused before it is opened.
@@ -125,8 +125,12 @@ PATCH = Patch(
         "prompt_cache_layout",
         "prompt_cache_mismatch",
     )
+    + hooks("mlx_lm.models.cache", "mlx_lm.models.ring_buffer", "_stored")
     + targets("mlx_lm.models.cache", load_prompt_cache)
     + targets("mlx_lm.models.cache:KVCache", KVCache)
     + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),
-    requires=("mlx_lm.models.cache:RotatingKVCache._check_state",),
+    requires=(
+        "mlx_lm.models.cache:RotatingKVCache._check_state",
+        "mlx_lm.models:ring_buffer",
+    ),
 )

@@ -151,3 +151,59 @@ def _quantize_tail(q_keys, q_values, group_size, bits):
             )
         )
     return out
+
+
+def _start_tail(cache):
+    """Give a decode step a tail if it can have one: on CUDA, after the
+    prompt, 4 or 8 bits, a half-precision cache of one head dim up to
+    128 (what the decode kernel reads)."""
+    if (
+        not cache.decode_tail
+        or cache._keys is None
+        or cache.bits not in (4, 8)
+        or cache.dtype not in ("bfloat16", "float16")
+        or cache.head_dims[0] != cache.head_dims[1]
+        or cache.head_dims[0] > 128
+    ):
+        return False
+    shape = (*cache._keys[0].shape[:2], cache.decode_tail, cache.head_dims[0])
+    dtype = getattr(mx, cache.dtype)
+    cache._tail = (mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+    # The decode kernel's, one a batch row and KV head (merge_ranges);
+    # 16 bytes or more: MLX keeps arrays of up to 8 in managed memory.
+    cache._counters = mx.zeros((max(4, shape[0] * shape[1]),), mx.uint32)
+    return True
+
+
+def _tail_update(cache, keys, values):
+    """Write a decode step's tokens into the tail (quantizing it first if
+    they do not fit); the buffers for ``quantized_decode_attention``:
+    ``(packed, scales, biases, tail, lengths)`` of keys and of values,
+    the tokens ``[0, quantized)`` packed and the next ``tail`` in the
+    tail (``_decode_lengths``). The tail is written lazily
+    (``_TailFetch``): the kernel writes it with the step's tokens as it
+    reads them, and nothing evaluates the write here."""
+    n = keys.shape[2]
+    if cache._tail_len + n > cache._tail[0].shape[2]:
+        cache._flush()
+    tk, tv = cache._written_tail()
+    t = cache._tail_len
+    cache.offset += n
+    cache._tail_len = t + n
+    lengths = _decode_lengths(cache.offset - t - n, t + n)
+    cache._step = (
+        _TailFetch((*cache._keys, tk, lengths), keys, t, cache),
+        _TailFetch((*cache._values, tv, lengths), values, t, cache),
+    )
+    return cache._step
+
+
+def _check_quantized_state(v):
+    """Raise ``ValueError`` saying how the ``QuantizedKVCache`` state ``v``
+    contradicts itself."""
+    if len(v) not in (5, 7):
+        raise ValueError(f"{len(v)} state items, a QuantizedKVCache has 5 or 7")
+    keys, values, offset, group_size, bits = v[:5]
+    n = _check_quantized(keys, values, group_size, bits, *v[5:])
+    if not 0 <= offset <= n:
+        raise ValueError(f"offset {offset} is not within the {n} tokens stored")

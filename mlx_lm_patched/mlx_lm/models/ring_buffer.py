@@ -1,5 +1,8 @@
 """The preallocated ``RotatingKVCache``'s helpers: ring slots, in-place
-writes, the undo ring, state checks, and layers' updates pipelined."""
+writes, the undo ring, window checkpoints, state checks, and layers' updates
+pipelined."""
+
+import copy
 
 import mlx.core as mx
 
@@ -125,3 +128,64 @@ def _hold(cache, fetched, offset, source=None):
     cache._undo_keys[..., held, :] = keys[..., src, :]
     cache._undo_values[..., held, :] = values[..., src, :]
     return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
+
+
+def _ring_checkpoints(cache, seen, first):
+    """Keep ``cache``'s window at each multiple of ``checkpoint_every`` this
+    update reaches; ``seen`` holds the sinks, then positions from ``first``.
+    A checkpoint is a copy cut from what attention reads, evaluated with the
+    ring: a reference would make MLX copy the ring at its next write."""
+    every, keep = cache.checkpoint_every, cache.keep
+    end = first + seen[0].shape[2] - keep
+    taken = [c for c in cache.checkpoints if c.offset <= cache.offset]
+    new = []
+    positions = range((max(cache.offset, keep) // every + 1) * every, end + 1, every)
+    for p in positions[-cache.max_checkpoints :]:
+        j = p - first + keep
+        lo = max(keep, j - cache.max_size + keep)
+        snap = copy.copy(cache)
+        snap.keys, snap.values = (
+            mx.concatenate([x[..., :keep, :], x[..., lo:j, :]], axis=2) for x in seen
+        )
+        snap.offset, snap._idx, snap.checkpoints = p, min(p, cache.max_size), ()
+        snap._undo_keys = snap._undo_values = None
+        snap._lo = snap._hi = 0
+        new += [snap.keys, snap.values]
+        taken.append(snap)
+    cache.checkpoints = taken[-cache.max_checkpoints :]
+    if new:
+        cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)
+
+
+def _check_ring_state(v):
+    """Raise ``ValueError`` saying how the ``RotatingKVCache`` state ``v``
+    contradicts itself."""
+    if len(v) not in (6, 11):
+        raise ValueError(f"{len(v)} state items, a RotatingKVCache has 6 or 11")
+    keys, values, offset, keep, max_size, _idx = v[:6]
+    n = _stored(keys, values)
+    if max_size < 1 or not 0 <= keep < max_size:
+        raise ValueError(
+            f"keep {keep} and max_size {max_size}: need 0 <= keep < max_size"
+        )
+    if offset < 0:
+        raise ValueError(f"offset {offset} is negative")
+    if n < min(offset, max_size):
+        raise ValueError(f"{n} tokens stored for offset {offset}")
+    # Upstream's ring holds more than max_size tokens right after a
+    # multi-token update, in temporal order with _idx at the end.
+    if n > max_size and not _idx == n <= offset:
+        raise ValueError(f"{n} tokens stored, more than max_size {max_size}")
+    # Slot ``_idx`` is next: the oldest once wrapped, else at ``offset``.
+    if not (keep <= _idx <= n if offset > max_size else _idx == offset):
+        raise ValueError(f"_idx {_idx} does not fit offset {offset} and keep {keep}")
+    if len(v) == 11:
+        undo_keys, undo_values, slack, lo, hi = v[6:]
+        held = _stored(undo_keys, undo_values)
+        if not 0 < slack <= max_size - keep or held not in (0, 2 * slack):
+            raise ValueError(
+                f"slack {slack} with {held} undo slots: need 0 < slack <= "
+                f"max_size - keep and 0 or 2 * slack slots"
+            )
+        if not (held and keep <= lo <= hi <= lo + held) and lo | hi:
+            raise ValueError(f"undo positions [{lo}, {hi}) do not fit its slots")

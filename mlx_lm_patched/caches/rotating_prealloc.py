@@ -31,12 +31,12 @@ more items (the undo ring, slack and the positions it holds). Upstream cannot
 trim a wrapped ring at all, so prefix reuse on sliding-window models and
 speculative decoding with a bounded cache fail (ml-explore/mlx-lm#980).
 
-Window checkpoints: a wrapped ring (a sliding layer of gemma3-like models, a ``--max-kv-size``
-ring) has forgotten its oldest tokens, so a stored prompt cache cannot be
-trimmed back past its slack: a request that shares the first 1,200 tokens of
-a cached 1,500-token prompt on gemma3_text (window 256) prefilled all 1,240
-of its tokens again (issue #28; llama.cpp keeps ``--ctx-checkpoints`` for
-the same reason).
+Window checkpoints: a wrapped ring (a sliding layer of gemma3-like models, a
+``--max-kv-size`` ring) has forgotten its oldest tokens, so a stored prompt
+cache cannot be trimmed back past its slack: a request that shares the first
+1,200 tokens of a cached 1,500-token prompt on gemma3_text (window 256)
+prefilled all 1,240 of its tokens again (issue #28; llama.cpp keeps
+``--ctx-checkpoints`` for the same reason).
 
 A ring made with ``checkpoint_every=n`` (0 takes none) keeps, at each
 multiple of ``n`` a multi-token update reaches, a copy of its window in

@@ -39,8 +39,8 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
 # there (``targets`` pastes it): ``RotatingKVCache``, ``_put`` and
-# ``_spread`` are that module's; ``_runs``, ``_columns`` and ``_reset_undo`` the ring's own
-# (``batch_rotating_prealloc``).
+# ``_spread`` are that module's; ``_runs``, ``_columns`` and ``_reset_undo``
+# the ring's own (``batch_rotating_prealloc``).
 
 
 class BatchRotatingKVCache:

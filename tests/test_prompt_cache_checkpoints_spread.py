@@ -147,7 +147,9 @@ def test_merged_rows_keep_a_spread_of_what_they_brought_and_took(kind):
 
 
 LONG = [(7 * j + 3) % 500 + 10 for j in range(4096)]
-BRANCH = LONG[:1100] + [(11 * j + 5) % 500 + 10 for j in range(40)]
+BRANCH = LONG[:3000] + [(11 * j + 5) % 500 + 10 for j in range(40)]
+# The spread's bound for a branch at 3,000 of 4,096, every 256: more than half.
+RESTORED = 3000 - (4096 - 3000) / 2 - 3 * 256
 
 
 def prefill(model, tokens, cache, step=512):
@@ -162,11 +164,12 @@ def prefill(model, tokens, cache, step=512):
 
 def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     """gemma3_text (window 256), a 4,096-token prompt cached with a
-    checkpoint every 256 tokens, then one sharing only its first 1,100: the
-    store restores a checkpoint covering at least half of those 1,100 (the
-    newest 4 reached back to 3,328: all 1,140 were prefilled again), the
-    logits are a fresh prefill's (within 1e-5), and each ring's ``nbytes``
-    counts its 8 checkpoints, a window each."""
+    checkpoint every 256 tokens, then one sharing its first 3,000: the store
+    restores one within half the branch's distance from the end plus three
+    intervals before it, so more than half of those 3,000 (the newest 4
+    reached back to 3,328: all 3,040 were prefilled again); the logits are a
+    fresh prefill's (within 1e-5), and each ring's ``nbytes`` counts its 8
+    checkpoints, a window each."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     cache = make_prompt_cache(model, checkpoint_every=256)
     prefill(model, LONG, cache)
@@ -176,8 +179,40 @@ def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     store = LRUPromptCache()
     store.insert_cache("m", LONG, cache)
     fetched, rest = store.fetch_nearest_cache("m", BRANCH)
-    restored = len(BRANCH) - len(rest)
-    assert 1100 / 2 <= restored <= 1100
+    assert RESTORED <= len(BRANCH) - len(rest) <= 3000
     fresh = prefill(model, BRANCH, make_prompt_cache(model))
     got = prefill(model, rest, fetched)
     assert mx.allclose(got, fresh, atol=1e-5, rtol=0).item()
+
+
+def first_logprobs(model, prompts, caches=None):
+    """The first prompt's ``BatchGenerator`` response after one token (its
+    log-probabilities, cache and tokens), in a batch with the others."""
+    from mlx_lm.generate import BatchGenerator
+
+    generator = BatchGenerator(model, max_tokens=1, prefill_step_size=300)
+    uids = generator.insert(prompts, caches=caches)
+    done = {}
+    while len(done) < len(prompts):
+        done.update((r.uid, r) for r in generator.next_generated() if r.finish_reason)
+    return done[uids[0]]
+
+
+def test_a_batch_row_branches_far_back_with_fresh_logprobs(load_tiny):
+    """As the server does it: the 4,096-token prompt prefilled in a batch
+    (300-token chunks, beside a 700-token prompt whose last chunk is
+    right-padded), its row's cache stored: the branch sharing the first
+    3,000 tokens restores more than half of them, as a ring alone would, and
+    its first token's log-probabilities are a fresh batch prefill's (within
+    1e-5)."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    other = [(5 * j + 1) % 400 + 10 for j in range(700)]
+    rows = [make_prompt_cache(model, checkpoint_every=256) for _ in range(2)]
+    done = first_logprobs(model, [LONG, other], rows)
+    store = LRUPromptCache()
+    store.insert_cache("m", done.all_tokens, done.prompt_cache)
+    fetched, rest = store.fetch_nearest_cache("m", BRANCH)
+    assert RESTORED <= len(BRANCH) - len(rest) <= 3000
+    got = first_logprobs(model, [rest], [fetched]).logprobs
+    want = first_logprobs(model, [BRANCH]).logprobs
+    assert mx.allclose(got, want, atol=1e-5, rtol=0).item()

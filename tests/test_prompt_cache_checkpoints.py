@@ -20,16 +20,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from ringref import data_pointer, free_port, random_kv, same
+from ringref import data_pointer, free_port, random_kv, same, temporal
 
 H, D = 2, 32
-
-
-def temporal(cache):
-    """A ring's live keys and values in temporal order, and its offset."""
-    from mlx_lm.models.prompt_cache_entries import _live_state
-
-    return _live_state(cache)[:3]
 
 
 def feed(cache, k, v, chunks):

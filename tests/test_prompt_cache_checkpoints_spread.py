@@ -12,16 +12,11 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from ringref import random_kv, same
+from ringref import random_kv, same, temporal
+
+from mlx_lm_patched.bench.checkpoints import prefill
 
 H, D = 1, 32
-
-
-def temporal(cache):
-    """A ring's live keys and values in temporal order, and its offset."""
-    from mlx_lm.models.prompt_cache_entries import _live_state
-
-    return _live_state(cache)[:3]
 
 
 def ring(kind, max_size, every=0):
@@ -152,16 +147,6 @@ BRANCH = LONG[:3000] + [(11 * j + 5) % 500 + 10 for j in range(40)]
 RESTORED = 3000 - (4096 - 3000) / 2 - 3 * 256
 
 
-def prefill(model, tokens, cache, step=512):
-    """Logits of the last token of ``tokens`` prefilled into ``cache``."""
-    y = mx.array(tokens)[None]
-    while y.shape[1]:
-        logits = model(y[:, :step], cache=cache)[:, -1]
-        mx.eval(logits, [c.state for c in cache])
-        y = y[:, step:]
-    return logits
-
-
 def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     """gemma3_text (window 256), a 4,096-token prompt cached with a
     checkpoint every 256 tokens, then one sharing its first 3,000: the store
@@ -172,7 +157,7 @@ def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     checkpoints, a window each."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     cache = make_prompt_cache(model, checkpoint_every=256)
-    prefill(model, LONG, cache)
+    prefill(model, LONG, cache, 512)
     for r in (c for c in cache if isinstance(c, RotatingKVCache)):
         assert len(r.checkpoints) == 8
         assert r.nbytes == 9 * (r.keys.nbytes + r.values.nbytes)
@@ -180,8 +165,8 @@ def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     store.insert_cache("m", LONG, cache)
     fetched, rest = store.fetch_nearest_cache("m", BRANCH)
     assert RESTORED <= len(BRANCH) - len(rest) <= 3000
-    fresh = prefill(model, BRANCH, make_prompt_cache(model))
-    got = prefill(model, rest, fetched)
+    fresh = prefill(model, BRANCH, make_prompt_cache(model), 512)
+    got = prefill(model, rest, fetched, 512)
     assert mx.allclose(got, fresh, atol=1e-5, rtol=0).item()
 
 

@@ -1,7 +1,8 @@
 """mlx-lm-patched: mlx-lm's KV caches, preallocated and finished.
 
 Importing this package applies every patch in ``PATCHES`` to the installed
-mlx-lm (set ``MLX_LM_PATCHED_APPLY=0`` to import without patching). Each
+mlx-lm (set ``MLX_LM_PATCHED_APPLY=0`` to import without patching; a vendored
+mlx-lm, ``make vendor``'s wheel, has them in its source already). Each
 patch lives in the module named for what it fixes; ``status()`` tells which
 are applied and whether upstream still matches what they were written for.
 """
@@ -123,7 +124,10 @@ def _select(names) -> List[_registry.Patch]:
 
 
 def apply(*names: str, strict: bool = False) -> List[str]:
-    """Apply all (or the named) patches; idempotent. Returns the applied names."""
+    """Apply all (or the named) patches; idempotent. Returns the applied names:
+    none on a vendored mlx-lm, whose source has them already."""
+    if _apply.vendored():
+        return []
     return _apply.apply_patches(_select(names), strict=strict)
 
 

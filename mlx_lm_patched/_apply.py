@@ -77,6 +77,12 @@ def installed_version() -> str:
     return version("mlx-lm")
 
 
+def vendored() -> bool:
+    """Whether the installed mlx-lm is a wheel with the series in its source
+    (``make vendor``: ``<release>+patched.N``), so nothing is applied to it."""
+    return "+patched." in installed_version()
+
+
 def check_disjoint(patches: List[Patch]):
     """Raise if two patches replace the same attribute, or one targets an
     attribute twice: a later patch may only stack an ``Edit`` on it."""

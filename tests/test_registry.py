@@ -384,6 +384,18 @@ def test_another_installed_version_with_unchanged_sources_still_applies(monkeypa
     assert (status["written_for"], status["installed"]) == ("0.32.2", "0.99.0")
 
 
+def test_a_vendored_mlx_lm_gets_nothing_applied(monkeypatch):
+    """``make vendor``'s wheel (``<release>+patched.N``) has the series in its
+    source: applying onto it would find every patched object drifted and
+    warn once a patch (the fronts apply at start)."""
+    monkeypatch.setattr(_apply, "installed_version", lambda: "0.32.2+patched.30")
+    mlx_lm_patched.revert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mlx_lm_patched.apply() == []
+    assert not any(_apply.is_applied(p.name) for p in mlx_lm_patched.PATCHES)
+
+
 def test_another_installed_version_with_changed_sources_is_named_in_the_error(
     monkeypatch,
 ):

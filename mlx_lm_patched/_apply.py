@@ -17,7 +17,7 @@ import inspect
 import sys
 import types
 import warnings
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Dict, List, Tuple
 
 from . import _merge, _newmods, _registry
@@ -79,8 +79,13 @@ def installed_version() -> str:
 
 def vendored() -> bool:
     """Whether the installed mlx-lm is a wheel with the series in its source
-    (``make vendor``: ``<release>+patched.N``), so nothing is applied to it."""
-    return "+patched." in installed_version()
+    (``make vendor``: ``<release>+patched.N``), so nothing is applied to it.
+    An mlx_lm imported from a source tree may have no version, or none
+    installed: not vendored."""
+    try:
+        return "+patched." in (installed_version() or "")
+    except PackageNotFoundError:
+        return False
 
 
 def check_disjoint(patches: List[Patch]):

@@ -394,6 +394,9 @@ def test_a_vendored_mlx_lm_gets_nothing_applied(monkeypatch):
         warnings.simplefilter("error")
         assert mlx_lm_patched.apply() == []
     assert not any(_apply.is_applied(p.name) for p in mlx_lm_patched.PATCHES)
+    # mlx_lm imported from a source tree: its metadata may name no version.
+    monkeypatch.setattr(_apply, "installed_version", lambda: None)
+    assert not _apply.vendored()
 
 
 def test_another_installed_version_with_changed_sources_is_named_in_the_error(

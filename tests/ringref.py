@@ -64,6 +64,13 @@ def random_kv(*shape, dtype=mx.float32):
     return mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
 
 
+def temporal(cache):
+    """A ring's live keys and values in temporal order, and its offset."""
+    from mlx_lm.models.prompt_cache_entries import _live_state
+
+    return _live_state(cache)[:3]
+
+
 def same(a, b):
     """Bit-exact equality of arrays (dtype and shape too), of tuples and lists
     of them, and of plain values."""

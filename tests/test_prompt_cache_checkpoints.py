@@ -20,16 +20,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from ringref import data_pointer, free_port, random_kv, same
+from ringref import data_pointer, free_port, random_kv, same, temporal
 
 H, D = 2, 32
-
-
-def temporal(cache):
-    """A ring's live keys and values in temporal order, and its offset."""
-    from mlx_lm.models.prompt_cache_entries import _live_state
-
-    return _live_state(cache)[:3]
 
 
 def feed(cache, k, v, chunks):
@@ -67,17 +60,23 @@ def test_a_checkpoint_is_the_ring_fed_only_that_far(kind, keep, chunks):
 
 
 def test_no_checkpoints_by_default_and_at_most_max_checkpoints():
+    """None without ``checkpoint_every``; with it, every multiple while
+    ``max_checkpoints`` (8 by default) hold them, then at most that many,
+    the newest at the end."""
     mx.random.seed(0)
     k, v = random_kv(1, H, 1000, D)
     cache = RotatingKVCache(64)
     feed(cache, k, v, [100] * 10)
     assert cache.checkpoints == ()
     cache = RotatingKVCache(64, checkpoint_every=50)
-    feed(cache, k, v, [100] * 10)
-    assert [c.offset for c in cache.checkpoints] == [850, 900, 950, 1000]
-    cache = RotatingKVCache(64, checkpoint_every=50, max_checkpoints=2)
-    feed(cache, k, v, [100] * 10)
-    assert [c.offset for c in cache.checkpoints] == [950, 1000]
+    feed(cache, k, v, [100] * 4)
+    assert [c.offset for c in cache.checkpoints] == list(range(50, 401, 50))
+    for most in (8, 2):
+        cache = RotatingKVCache(64, checkpoint_every=50, max_checkpoints=most)
+        feed(cache, k, v, [100] * 10)
+        taken = [c.offset for c in cache.checkpoints]
+        assert 1 < len(taken) <= most and taken[-1] == 1000
+        assert all(p % 50 == 0 for p in taken)
 
 
 def test_checkpoints_count_in_nbytes_and_a_trim_drops_those_past_the_end():
@@ -403,8 +402,8 @@ def check_row(kind, row, k, v, max_size=48):
 def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(kind):
     """Rings merged into a batch (as a server batches fetched caches) get
     their checkpoints back from ``extract``, with those the batch took
-    since: the newest ``max_checkpoints``, each the single ring fed that
-    row that far. ``filter`` keeps them with their rows, ``nbytes`` counts
+    since: all of them, as ``max_checkpoints`` (8) hold them, each the
+    single ring fed that row that far. ``filter`` keeps them with their rows, ``nbytes`` counts
     them."""
     mx.random.seed(0)
     lengths = [150, 100, 0]
@@ -426,7 +425,7 @@ def test_rows_merged_into_a_batch_keep_the_checkpoints_they_bring(kind):
     for row, b in enumerate(order):
         out = batch.extract(row)
         want = brought[b] + [lengths[b] + 16, lengths[b] + 48]
-        assert [c.offset for c in out.checkpoints] == want[-4:]
+        assert [c.offset for c in out.checkpoints] == want
         check_row(kind, out, ks[b : b + 1], vs[b : b + 1])
 
 

@@ -48,6 +48,7 @@ class _BatchRotatingKVCache:
         )
         cache.checkpoint_every = self.checkpoint_every
         cache.max_checkpoints = self.max_checkpoints
+        cache.real_rows = self.real_rows  # a checkpoint's
         # New arrays: ``-=`` on a shared one would move both caches.
         cache.left_padding = mx.array(self.left_padding)
         cache.offset = mx.array(self.offset)

@@ -24,7 +24,9 @@ A batch with a ``slack`` keeps an undo ring over its columns while it decodes
 (``_hold``), reset by right padding and ``trim``; rows bring their slack and
 take their evicted tokens back out (``batch_rotating_rows``). A batch takes
 window checkpoints as rings do (``rotating_prealloc``; helpers: the new
-module ``mlx_lm/models/batch_ring_buffer.py``).
+module ``mlx_lm/models/batch_ring_buffer.py``), keeping one where any row's
+own spread keeps it: a row of a right-padded call spreads its checkpoints
+back from its own last token, not the batch's (``real_rows``, on the host).
 """
 
 from typing import TYPE_CHECKING, List, Optional
@@ -67,8 +69,11 @@ class BatchRotatingKVCache:
     # reaches ``keep`` every row's sinks are full and updates skip them.
     # As RotatingKVCache's (``__init__`` sets them; ``merge`` takes its rows').
     checkpoint_every = 0
-    max_checkpoints = 4
+    max_checkpoints = 8
     checkpoints = ()
+    # A checkpoint's rows with tokens at it, on the host (right padding gives
+    # a row none past its own): () for every row.
+    real_rows = ()
     _check_state = staticmethod(_check_batch_ring_state)
     # Per row, the checkpoints it brought (``merge``, ``extend``): windows at
     # its own positions; the batch's own, taken since, are ``checkpoints``.
@@ -80,7 +85,7 @@ class BatchRotatingKVCache:
         left_padding: List[int],
         keep: int = 0,
         checkpoint_every: int = 0,
-        max_checkpoints: int = 4,
+        max_checkpoints: int = 8,
     ):
         if max_size < 1:
             raise ValueError(

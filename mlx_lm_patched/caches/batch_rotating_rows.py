@@ -35,12 +35,12 @@ from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import RotatingKVCache
-    from mlx_lm.models.ring_buffer import _put
+    from mlx_lm.models.ring_buffer import _put, _spread
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``targets`` pastes it): ``RotatingKVCache`` and ``_put`` are that
-# module's; ``_runs``, ``_columns`` and ``_reset_undo`` the ring's own
-# (``batch_rotating_prealloc``).
+# there (``targets`` pastes it): ``RotatingKVCache``, ``_put`` and
+# ``_spread`` are that module's; ``_runs``, ``_columns`` and ``_reset_undo``
+# the ring's own (``batch_rotating_prealloc``).
 
 
 class BatchRotatingKVCache:
@@ -65,6 +65,8 @@ class BatchRotatingKVCache:
         self.left_padding = self.left_padding[batch_indices]
         for c in self.checkpoints:
             c.filter(batch_indices)
+        if self.real_rows:  # a checkpoint's
+            self.real_rows = tuple(self.real_rows[i] for i in rows)
         if self.row_checkpoints:
             self.row_checkpoints = [self.row_checkpoints[i] for i in rows]
 
@@ -165,14 +167,16 @@ class BatchRotatingKVCache:
 
     def _row_checkpoints(self, idx, offset):
         """Row ``idx``'s checkpoints (it holds ``offset`` tokens): those it
-        brought and the batch's cut out for it, the newest ``max_checkpoints``
-        past its sinks, evaluated (pinning none of the batch's buffers)."""
+        brought and the batch's cut out for it, past its sinks, spread over
+        its own positions (``_spread``), evaluated (pinning none of the
+        batch's buffers)."""
         taken = list(self.row_checkpoints[idx]) if self.row_checkpoints else []
         taken += [c.extract(idx) for c in self.checkpoints]
         if not taken:
             return []
-        taken = [c for c in taken if self.keep < c.offset <= offset]
-        taken = sorted(taken, key=lambda c: c.offset)[-self.max_checkpoints :]
+        held = {c.offset: c for c in taken if self.keep < c.offset <= offset}
+        every, most = self.checkpoint_every, self.max_checkpoints
+        taken = [held[p] for p in _spread(sorted(held), every, most)]
         mx.eval([c.state for c in taken])
         return taken
 

@@ -40,16 +40,23 @@ prefilled all 1,240 of its tokens again (issue #28; llama.cpp keeps
 
 A ring made with ``checkpoint_every=n`` (0 takes none) keeps, at each
 multiple of ``n`` a multi-token update reaches, a copy of its window in
-``checkpoints``, the newest ``max_checkpoints``. A checkpoint is cut from
-what attention reads anyway (the sinks, the last window and the chunk), so
-nothing is evaluated on its own: the copy is a dependency of the new ring.
-It must be a copy: the ring is written in place, and a reference would make
-MLX copy the whole ring at the next write. A trim drops the checkpoints past
-the new end and ``nbytes`` counts them. Batched rings take them at multiples
-of ``n`` columns of the batch's timeline; right padding gives a row none
-past its own tokens; rows keep theirs through ``merge``, ``extend``,
-``filter`` and ``extract`` (``batch_rotating_rows``). ``LRUPromptCache``
-restores the nearest one (``prompt_cache_store``).
+``checkpoints``, at most ``max_checkpoints`` (8) spread over the whole
+history (``_spread``, issue #51): all while they fit, then the newest dense
+and older ones thinned geometrically, so a branch ``d`` tokens back has one
+within ``d / 2 + 3 * n`` before it (8 cover 24,576 tokens at ``n=512``;
+past that the slack grows). An edit far back still reuses most of its
+prefix, where the newest 4 reached back 2,048 tokens. A checkpoint is cut
+from what attention reads anyway (the sinks, the last window and the
+chunk), so nothing is evaluated on its own: the copy is a dependency of the
+new ring. It must be a copy: the ring is written in place, and a reference
+would make MLX copy the whole ring at the next write. A trim drops the
+checkpoints past the new end and ``nbytes`` counts them (a window each, as
+many bytes as the ring). Batched rings take them at multiples of ``n``
+columns of the batch's timeline, kept where a row's own spread keeps them;
+right padding gives a row none past its own tokens; rows keep theirs
+through ``merge``, ``extend``, ``filter`` and ``extract``
+(``batch_rotating_rows``), spread again over its own positions.
+``LRUPromptCache`` restores the nearest one (``prompt_cache_store``).
 """
 
 from typing import TYPE_CHECKING, Optional
@@ -90,17 +97,17 @@ class RotatingKVCache:
     # what it overwrote. Decode copies ``slack`` tokens every ``slack`` steps.
 
     # Every ``checkpoint_every`` tokens a multi-token update keeps a copy of
-    # the window in ``checkpoints``, the newest ``max_checkpoints``
-    # (``_ring_checkpoints``); 0: none. ``__init__`` sets these and
+    # the window in ``checkpoints``, at most ``max_checkpoints`` spread over
+    # the history (``_ring_checkpoints``, ``_spread``); 0: none. ``__init__`` sets these and
     # ``slack``; the class values are those of a ring made from a state
     # (``from_state``).
     slack = 0
     checkpoint_every = 0
-    max_checkpoints = 4
+    max_checkpoints = 8
     checkpoints = ()
 
     def __init__(
-        self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=4
+        self, max_size, keep=0, slack=0, checkpoint_every=0, max_checkpoints=8
     ):
         if max_size < 1:
             raise ValueError(f"RotatingKVCache: max_size must be >= 1, got {max_size}")
@@ -346,6 +353,7 @@ PATCH = Patch(
         "_ring_checkpoints",
         "_ring_slot",
         "_sinks_and_newest",
+        "_spread",
     )
     + targets(
         "mlx_lm.models.cache:RotatingKVCache",

@@ -279,15 +279,15 @@ _MAIN = """\
 +        "re-renders the end of the previous answer reuses its cache; at most "
 +        "the window (default: 8)",
 +    )
-+    # Four of them (``max_checkpoints``) cover the last 2,048 tokens.
++    # At most 8 (``max_checkpoints``), spread over 24,576 tokens (``_spread``).
 +    parser.add_argument(
 +        "--prompt-cache-checkpoint-every",
 +        type=int,
 +        default=512,
-+        help="Rotating cache layers keep a copy of their window every this "
-+        "many tokens of a prompt (the newest 4), so a request that branches "
-+        "off a cached prompt past the window prefills from the nearest one; "
-+        "0: none (default: 512)",
++        help="Rotating cache layers keep a copy of their window every this many "
++        "tokens of a prompt (at most 8, spread over it), so a request that "
++        "branches off a cached prompt, even far back, prefills from the nearest "
++        "one; 0: none (default: 512)",
 +    )
 +    parser.add_argument(
 +        "--max-kv-size",

@@ -5,14 +5,15 @@ import copy
 
 import mlx.core as mx
 
-from .ring_buffer import _put, _stored
+from .ring_buffer import _put, _spread, _stored
 
 
 def _batch_checkpoints(cache, sinks, columns, S):
     """Keep ``cache`` at each multiple of ``checkpoint_every`` columns this
-    update of ``S`` reached; ``columns`` end at the newest. With right
-    padding, a row past its tokens there gets none (offset 0), the others
-    theirs before their rolls."""
+    update of ``S`` reached that a row keeps (``_spread`` of the columns
+    where it has tokens); ``columns`` end at the newest. With right padding,
+    a row past its tokens there has none (offset 0; ``real_rows`` says so
+    on the host), the others theirs before their rolls."""
     every, window = cache.checkpoint_every, cache.max_size - cache.keep
     end, pre, count = cache._offset, cache._offset - S, columns[0].shape[2]
     start, lengths, roll = end, None, 0
@@ -21,9 +22,18 @@ def _batch_checkpoints(cache, sinks, columns, S):
         start, end = end - given, min(end, end - given + max(lengths))
         roll = mx.array([max(0, given - n) for n in lengths])
     taken = [c for c in cache.checkpoints if c._offset <= pre]
+    reached = {
+        t: () if lengths is None else tuple(t - start <= n for n in lengths)
+        for t in range((pre // every + 1) * every, end + 1, every)
+    }
+    held = [(c._offset, c.real_rows) for c in taken] + list(reached.items())
+    kept = set()
+    for b in range(cache.offset.shape[0]):  # each row's own spread
+        mine = [t for t, real in held if not real or real[b]]
+        kept.update(_spread(mine, every, cache.max_checkpoints))
+    taken = [c for c in taken if c._offset in kept]
     new = []
-    positions = range((pre // every + 1) * every, end + 1, every)
-    for t in positions[-cache.max_checkpoints :]:
+    for t in (t for t in reached if t in kept):
         live, j = min(t, window), t - cache._offset + count
         snap = copy.copy(cache)
         snap.keys, snap.values = (
@@ -33,15 +43,15 @@ def _batch_checkpoints(cache, sinks, columns, S):
         snap._offset, snap._idx, snap.rotated = t, cache.keep + live, False
         snap.offset = cache.offset + roll - (cache._offset - t)
         if lengths is not None:
-            real = mx.array([t - start <= n for n in lengths])
-            snap.offset = mx.where(real, snap.offset, 0)
+            snap.offset = mx.where(mx.array(reached[t]), snap.offset, 0)
+        snap.real_rows = reached[t]
         lp = cache.left_padding - roll + (cache._offset - window)
         snap.left_padding = lp - (t - live)
         snap._undo_keys = snap._undo_values = snap._lengths = None
         snap._lo, snap._hi, snap.checkpoints = 0, 0, ()
         new += [snap.keys, snap.values]
         taken.append(snap)
-    cache.checkpoints = taken[-cache.max_checkpoints :]
+    cache.checkpoints = taken
     if new:  # evaluated with the ring
         cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)
 

@@ -44,7 +44,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         bits: int = 8,
         slack=0,
         checkpoint_every=0,
-        max_checkpoints=4,
+        max_checkpoints=8,
     ):
         RotatingKVCache.__init__(
             self, max_size, keep, slack, checkpoint_every, max_checkpoints
@@ -56,9 +56,13 @@ class QuantizedRotatingKVCache(RotatingKVCache):
         self.head_dims = None
 
     def _join_checkpoints(self, per_part):
-        """The checkpoints each quantized part's ring took, joined into ours."""
-        taken = list(self.checkpoints)
+        """The checkpoints each quantized part's ring kept (of ours, which it
+        was given, and those it took), joined into ours."""
+        taken = []
         for parts in zip(*per_part):
+            if any(parts[0] is c for c in self.checkpoints):
+                taken.append(parts[0])
+                continue
             snap = copy.copy(self)
             snap.keys = tuple(p.keys for p in parts)
             snap.values = tuple(p.values for p in parts)
@@ -68,7 +72,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
                 (),
             )
             taken.append(snap)
-        self.checkpoints = taken[-self.max_checkpoints :]
+        self.checkpoints = taken
 
     def _allocate(self, keys, values):
         """Allocate the ring, moving in the live slots of a loaded state."""
@@ -99,6 +103,7 @@ class QuantizedRotatingKVCache(RotatingKVCache):
             )
             ring.keys, ring.values, ring._undo_keys, ring._undo_values = parts
             ring.offset, ring._idx = self.offset, self._idx
+            ring.checkpoints = self.checkpoints  # their spread (_ring_checkpoints)
             ring._lo, ring._hi = self._lo, self._hi
             out.append(method(ring, *(a[i] if type(a) is tuple else a for a in args)))
             rings.append(ring)

@@ -1,6 +1,6 @@
 """The preallocated ``RotatingKVCache``'s helpers: ring slots, in-place
-writes, the undo ring, window checkpoints, state checks, and layers' updates
-pipelined."""
+writes, the undo ring, window checkpoints and their spread, state checks,
+and layers' updates pipelined."""
 
 import copy
 
@@ -130,17 +130,43 @@ def _hold(cache, fetched, offset, source=None):
     return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
 
 
+def _spread(positions, every, most):
+    """Which of the checkpoints at ``positions`` (ascending) to keep: all
+    that ``most`` hold; past that the newest and each one without which a
+    branch behind it would go back (to the one kept before it, or the start)
+    more than half its distance from the newest plus a slack, ``every`` more
+    each pass until ``most`` hold them. New ones stay dense, old ones thin
+    geometrically: 8 keep 24,576 tokens at ``every=512``, a branch ``d``
+    tokens back within ``d / 2 + 3 * every`` of one. Distances only grow, so
+    one dropped is never needed again; the rule reads differences only, so
+    a batch row's positions, shifted by its padding, thin alike."""
+    kept, slack = list(positions), 0
+    while len(kept) > most:
+        slack += max(every, 1)
+        newest, thinned = kept[-1], [0]
+        for p, after in zip(kept, kept[1:]):
+            if after - thinned[-1] > (newest - after) / 2 + slack:
+                thinned.append(p)
+        kept = thinned[1:] + [newest]
+    return kept
+
+
 def _ring_checkpoints(cache, seen, first):
     """Keep ``cache``'s window at each multiple of ``checkpoint_every`` this
-    update reaches; ``seen`` holds the sinks, then positions from ``first``.
-    A checkpoint is a copy cut from what attention reads, evaluated with the
-    ring: a reference would make MLX copy the ring at its next write."""
+    update reaches that ``_spread`` keeps; ``seen`` holds the sinks, then
+    positions from ``first``. A checkpoint is a copy cut from what attention
+    reads, evaluated with the ring: a reference would make MLX copy the ring
+    at its next write."""
     every, keep = cache.checkpoint_every, cache.keep
     end = first + seen[0].shape[2] - keep
     taken = [c for c in cache.checkpoints if c.offset <= cache.offset]
+    reached = range((max(cache.offset, keep) // every + 1) * every, end + 1, every)
+    kept = _spread(
+        [c.offset for c in taken] + list(reached), every, cache.max_checkpoints
+    )
+    taken = [c for c in taken if c.offset in kept]
     new = []
-    positions = range((max(cache.offset, keep) // every + 1) * every, end + 1, every)
-    for p in positions[-cache.max_checkpoints :]:
+    for p in (p for p in reached if p in kept):
         j = p - first + keep
         lo = max(keep, j - cache.max_size + keep)
         snap = copy.copy(cache)
@@ -152,7 +178,7 @@ def _ring_checkpoints(cache, seen, first):
         snap._lo = snap._hi = 0
         new += [snap.keys, snap.values]
         taken.append(snap)
-    cache.checkpoints = taken[-cache.max_checkpoints :]
+    cache.checkpoints = taken
     if new:
         cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)
 

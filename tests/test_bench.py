@@ -197,12 +197,18 @@ def test_e2e_tiny_model_runs_every_cache_and_scenario(tmp_path, capsys):
     assert all(isinstance(v, bool) for v in out["batch"]["targets"].values())
 
 
-def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path):
+@pytest.mark.parametrize("blocks", [None, 64])
+def test_disk_bench_restores_the_prefix_and_decodes_the_same_tokens(tmp_path, blocks):
+    """Whole or cut into blocks, the restored prefix decodes the tokens the
+    prefilled one does; cut, it is 4 block files of 64 tokens and an entry
+    file, all of which the plain reader reads."""
     from mlx_lm_patched.bench import disk
 
     argv = "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16"
     argv += " --intermediate 128 --prefix 300 --question 5 --decode 6 --device cpu"
+    argv += f" --blocks {blocks}" if blocks else ""
     out = disk.main(argv.split() + ["--out", str(tmp_path / "disk.json")])
+    assert out["blocks"] == blocks and out["files"] == (5 if blocks else 1)
     assert json.loads((tmp_path / "disk.json").read_text()) == out
     assert list(out)[:5] == HEADER and "prompt_cache_disk" in out["patches"]
     assert out["tokens_left_to_prefill"] == 5 and out["same_tokens"]

@@ -19,7 +19,10 @@ expects. Both caches then decode ``--decode`` greedy tokens after the
 question: ``same_tokens`` compares them. With ``--bits 8`` or ``4`` the
 file holds the entry quantized at rest, as ``--prompt-cache-bits`` keeps it,
 and the restore dequantizes it (``same_tokens`` then compares with the
-unquantized cache). Patched only: upstream has no disk tier.
+unquantized cache). With ``--blocks N`` the entry is first cut into blocks
+of N tokens, as the server's prompt cache holds it, so it is written as
+block files and an entry file (``files``), and the plain reader reads them
+all. Patched only: upstream has no disk tier.
 
     python -m mlx_lm_patched.bench.disk                      # CPU, 8 x 512
     python -m mlx_lm_patched.bench.disk --device gpu --layers 32 --hidden 4096 \\
@@ -37,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.prompt_cache_blocks import PromptBlocks
 from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
 import mlx_lm_patched
@@ -93,24 +97,27 @@ def drop_from_page_cache(directory):
     return "fadvise"
 
 
-def read_parallel(path, threads, chunk):
-    """Read ``path`` whole into one buffer, ``chunk`` bytes a read in
-    ``threads`` threads: no checksum, no MLX. Returns the bytes read."""
-    data = np.empty(os.path.getsize(path), np.uint8)
-    view = memoryview(data)
-    fd = os.open(path, os.O_RDONLY)
+def read_parallel(paths, threads, chunk):
+    """Read the files ``paths`` whole, each into one buffer, ``chunk`` bytes
+    a read in ``threads`` threads: no checksum, no MLX. Returns the bytes
+    read."""
+    fds = [os.open(path, os.O_RDONLY) for path in paths]
+    views = [memoryview(np.empty(os.fstat(fd).st_size, np.uint8)) for fd in fds]
 
-    def read(at):
+    def read(job):
+        fd, view, at = job
         part, done = view[at : at + chunk], 0
         while done < len(part):
             done += os.preadv(fd, [part[done:]], at + done) or len(part)
         return done
 
+    jobs = [(fd, v, at) for fd, v in zip(fds, views) for at in range(0, len(v), chunk)]
     try:
         with ThreadPoolExecutor(threads) as pool:
-            return sum(pool.map(read, range(0, len(data), chunk)))
+            return sum(pool.map(read, jobs))
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def run(args):
@@ -127,6 +134,8 @@ def run(args):
     # Quantized at rest (--bits): the entry the server's prompt cache keeps.
     store = LRUPromptCache(bits=args.bits, group_size=args.group_size)
     entry = [store._at_rest(c) for c in cache] if args.bits else cache
+    if args.blocks:
+        entry = PromptBlocks(args.blocks).share(MODEL_KEY, prefix, entry)
 
     with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-disk-") as d:
         tier = DiskPromptCache(d)
@@ -137,7 +146,7 @@ def run(args):
         write_s = time.perf_counter() - t
         tier.close()
         file_bytes = tier.nbytes
-        (name,) = os.listdir(d)
+        files = [os.path.join(d, n) for n in os.listdir(d) if n[0] != "."]
         dropped = drop_from_page_cache(d) if args.cold else None
 
         tier = DiskPromptCache(d)
@@ -151,7 +160,7 @@ def run(args):
         if args.cold:
             drop_from_page_cache(d)
         t = time.perf_counter()
-        read_parallel(os.path.join(d, name), args.read_threads, tier.read_chunk)
+        read_parallel(files, args.read_threads, tier.read_chunk)
         bound_s = time.perf_counter() - t
 
         # What the cost model, having measured both, chooses for this prompt.
@@ -169,6 +178,7 @@ def run(args):
         "write_s": round(write_s, 4),
         "restore_s": round(restore_s, 4),
         "file_bytes": file_bytes,
+        "files": len(files),
         "restore_bytes_per_s": round(file_bytes / restore_s),
         "restore_speedup": round(prefill_s / restore_s, 2),
         "page_cache_drop": dropped,
@@ -225,6 +235,13 @@ def build_parser():
         help="keep the entry quantized at rest, as --prompt-cache-bits does",
     )
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument(
+        "--blocks",
+        type=int,
+        metavar="N",
+        help="cut the entry into blocks of N tokens first, as the server's "
+        "prompt cache does: block files and an entry file",
+    )
     p.add_argument("--device", choices=["cpu", "gpu"])
     p.add_argument("--out", help="also write the JSON here")
     return p
@@ -242,6 +259,7 @@ def main(argv=None):
         "chunk": args.chunk,
         "cold": args.cold,
         "bits": args.bits,
+        "blocks": args.blocks,
         **run(args),
     }
     emit(result, args.out)

@@ -143,6 +143,26 @@ def test_a_queued_entry_is_served_from_its_blocks_before_it_is_written(tmp_path)
     assert len(entries(tmp_path)) == 1 and len(blocks(tmp_path)) == 200 // SIZE
 
 
+def test_a_queued_entry_costs_the_cost_model_the_bytes_its_files_will_hold(
+    tmp_path,
+):
+    """Joining a queued entry copies all of it: counted as free, it was
+    restored to save a token (on a GPU, seconds on the serving thread)."""
+    mx.random.seed(2)
+    (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    seen = []
+    lru.disk._lock_dir()  # the writer waits: nothing is renamed in
+    try:
+        lru.insert_cache("m", tokens, cache)
+        lru.disk.get("m", tokens, saves=lambda n, b: seen.append(b) or 1.0)
+    finally:
+        lru.disk._unlock_dir()
+    lru.disk.close()
+    files = dir_bytes(tmp_path)
+    assert len(seen) == 1 and 0.95 * files < seen[0] <= files
+
+
 def test_two_replicas_share_one_set_of_block_files(tmp_path):
     mx.random.seed(3)
     convs = conversations(2, 400, 30)

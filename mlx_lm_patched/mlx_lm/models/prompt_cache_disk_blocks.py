@@ -54,6 +54,10 @@ class _Block:
             meta,
         )
 
+    @property
+    def nbytes(self):
+        return sum(self.shared[i][0].blocks[self.j][2] for i, _ in self.held)
+
     def host(self):
         arrays, dtypes = {}, {}
         for i, _ in self.held:
@@ -368,7 +372,12 @@ class PromptBlockDir(PromptCacheDir):
         return json.loads(blocks)["files"] if blocks else []
 
     def _entry_bytes(self, name: str):
-        """The bytes a restore of indexed entry ``name`` reads."""
+        """The bytes a restore of indexed entry ``name`` reads; of a queued
+        one, the bytes its file and block files will hold: joining it costs
+        a copy of each (on a GPU, there and back), not nothing."""
+        state = self._pending.get(name)
+        if state is not None:
+            return state.nbytes + sum(b.nbytes for b in state.blocks.values())
         return self._restore_bytes(self._files[name][3], self._refs(name))
 
     def _restore_bytes(self, size: int, blocks):

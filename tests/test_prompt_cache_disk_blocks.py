@@ -7,6 +7,8 @@ with a warning."""
 import json
 import logging
 import os
+import struct
+import zlib
 
 import mlx.core as mx
 import pytest
@@ -301,6 +303,28 @@ def another_layout(tier, d):
     os.truncate(path, 8 + n + (os.path.getsize(path) - 8 - n) // 2)
 
 
+def nan_resealed(tier, d):
+    """A block holding a NaN in its last array, its CRC-32 and manifest made
+    to match: a block file's floats are checked at once, not array by array."""
+    path = d / blocks(d)[0]
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    key = sorted(k for k in header if k != "__metadata__")[-1]
+    at = 8 + n + header[key]["data_offsets"][0] + 4 * 5
+    raw[at : at + 4] = struct.pack("<f", float("nan"))
+    path.write_bytes(bytes(raw))
+
+    def edit(header):
+        crc = 0
+        for k in sorted(k for k in header if k != "__metadata__"):
+            a, b = header[k]["data_offsets"]
+            crc = zlib.crc32(raw[8 + n + a : 8 + n + b], crc)
+        header["__metadata__"]["0.crc32"] = str(crc)
+
+    reseal(tier, path, edit)
+
+
 def block_replaced_by(kind):
     """A block file replaced by a link to ``/dev/zero`` (opened, it never
     ends), a directory with a file in it, or a FIFO: kinds that once made
@@ -336,6 +360,7 @@ CASE = None
         lambda tier, d: os.remove(d / blocks(d)[1]),
         other_models_blocks,
         another_layout,
+        nan_resealed,
         block_replaced_by("link"),
         block_replaced_by("directory"),
         block_replaced_by("fifo"),
@@ -348,6 +373,7 @@ CASE = None
         "missing",
         "other_model",
         "other_layout",
+        "nan",
         "link_to_dev_zero",
         "directory",
         "fifo",

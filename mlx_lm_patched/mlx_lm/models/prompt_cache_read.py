@@ -103,7 +103,8 @@ class PromptCacheReader:
         ``read_chunk`` bytes, across arrays, into one preallocated numpy
         buffer (a block file of 64 arrays is one read), and CRC-32 each run
         (zlib releases the GIL). Each float array is checked to have no
-        exponent all ones (NaN or infinite). Raises ``ValueError`` where one
+        exponent all ones (NaN or infinite), a file of one float dtype
+        without ``each`` (a block file) at once. Raises ``ValueError`` where one
         has and, once all are read, where the CRC-32 is not the header's
         (``_seal``'s: the arrays' bytes in sorted key order, which is file
         order in the files ``_seal`` writes; others are CRC'd per array)."""
@@ -151,6 +152,17 @@ class PromptCacheReader:
             (i, min(i + step, size), pool.submit(read, i, min(i + step, size)))
             for i in range(0, size, step)
         ]
+
+        def check(k, start, stop):
+            exponent = floats.get(header[k]["dtype"])
+            if exponent is not None:
+                bits = data[start:stop].view(exponent.dtype)
+                if (bits & exponent).max(initial=0) == exponent:
+                    raise ValueError(f"array {k} holds NaN or infinite values")
+
+        # Arrays of one dtype back to back (a block file): checked at once.
+        dtypes = {header[k]["dtype"] for k in keys}
+        at_once = sealed and each is None and len(dtypes) == 1
         try:
             run, crc = 0, 0
             for k in order:
@@ -158,13 +170,16 @@ class PromptCacheReader:
                 while run < len(runs) and runs[run][0] < stop:  # read up to it
                     at, end, part = runs[run]
                     crc, run = combine(crc, part.result(), end - at), run + 1
-                exponent = floats.get(header[k]["dtype"])
-                if exponent is not None:
-                    bits = data[start:stop].view(exponent.dtype)
-                    if (bits & exponent).max(initial=0) == exponent:
-                        raise ValueError(f"array {k} holds NaN or infinite values")
+                if not at_once:
+                    check(k, start, stop)
                 if each is not None:
                     each(k, data[start:stop])
+            if at_once and keys:
+                try:
+                    check(keys[0], 0, size)
+                except ValueError:  # the array that holds it
+                    for k in keys:
+                        check(k, *spans[k])
         finally:  # on any error, no thread reads ``fd`` once this returns
             for _, _, part in runs:
                 part.cancel()

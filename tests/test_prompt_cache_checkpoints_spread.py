@@ -201,3 +201,27 @@ def test_a_batch_row_branches_far_back_with_fresh_logprobs(load_tiny):
     got = first_logprobs(model, [rest], [fetched]).logprobs
     want = first_logprobs(model, [BRANCH]).logprobs
     assert mx.allclose(got, want, atol=1e-5, rtol=0).item()
+
+
+def test_an_agent_loops_checkpoints_hold_no_checkpoints_of_their_own(load_tiny):
+    """Four turns of a conversation through ``BatchGenerator``, each turn's
+    cache fetched from the store: every ring's checkpoints are bare windows,
+    so its ``nbytes`` is its window and theirs. A checkpoint taken in a
+    batch kept the checkpoints its rows brought, nested again each turn: an
+    agent loop's entries doubled in ``nbytes`` a turn (162 GB logged for
+    an 8B Gemma-3 shape after 8 turns)."""
+    model, _ = load_tiny("gemma3_text", sliding_window=64)
+    store, tokens = LRUPromptCache(), LONG[:600]
+    cache, rest = make_prompt_cache(model, checkpoint_every=64), tokens
+    for turn in range(4):
+        done = first_logprobs(model, [rest], [cache])
+        tokens = tokens[: len(tokens) - len(rest)] + done.all_tokens
+        rings = [c for c in done.prompt_cache if isinstance(c, RotatingKVCache)]
+        for r in rings:
+            assert len(r.checkpoints) >= 5
+            assert all(not c.checkpoints for c in r.checkpoints)
+            held = [r.keys, r.values] + [x for c in r.checkpoints for x in c.state[:2]]
+            assert r.nbytes == sum(x.nbytes for x in held)
+        store.insert_cache("m", tokens, done.prompt_cache)
+        tokens += [(11 * j + turn) % 400 + 10 for j in range(200)]
+        cache, rest = store.fetch_nearest_cache("m", tokens)

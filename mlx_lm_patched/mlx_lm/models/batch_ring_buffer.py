@@ -48,7 +48,7 @@ def _batch_checkpoints(cache, sinks, columns, S):
         lp = cache.left_padding - roll + (cache._offset - window)
         snap.left_padding = lp - (t - live)
         snap._undo_keys = snap._undo_values = snap._lengths = None
-        snap._lo, snap._hi, snap.checkpoints = 0, 0, ()
+        snap._lo, snap._hi, snap.checkpoints, snap.row_checkpoints = 0, 0, (), ()
         new += [snap.keys, snap.values]
         taken.append(snap)
     cache.checkpoints = taken

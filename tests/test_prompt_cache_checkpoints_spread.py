@@ -5,13 +5,8 @@ branch anywhere in a long prompt restores from one not far before it."""
 import bisect
 
 import mlx.core as mx
+import mlx_lm.models.cache as caches
 import pytest
-from mlx_lm.models.cache import (
-    BatchRotatingKVCache,
-    LRUPromptCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
 from ringref import random_kv, same, temporal
 
 from mlx_lm_patched.bench.checkpoints import prefill
@@ -21,7 +16,7 @@ H, D = 1, 32
 
 def ring(kind, max_size, every=0):
     """A ring (``kind`` "quantized": 8 bits) checkpointing every ``every`` tokens."""
-    cache = RotatingKVCache(max_size, checkpoint_every=every)
+    cache = caches.RotatingKVCache(max_size, checkpoint_every=every)
     return cache.to_quantized(group_size=32, bits=8) if kind == "quantized" else cache
 
 
@@ -53,7 +48,7 @@ def test_a_prefill_within_the_budget_keeps_every_multiple():
     """4,096 tokens at ``checkpoint_every=512``: all 8 multiples, as many as
     ``max_checkpoints`` holds by default (the newest 4 before)."""
     k, v = random_kv(1, H, 4096, D)
-    cache = RotatingKVCache(64, checkpoint_every=512)
+    cache = caches.RotatingKVCache(64, checkpoint_every=512)
     feed(cache, k, v, [1000] * 4 + [96])
     assert [c.offset for c in cache.checkpoints] == list(range(512, 4097, 512))
 
@@ -68,7 +63,7 @@ def test_a_long_chunked_prefill_keeps_checkpoints_over_its_whole_history(chunk):
     mx.random.seed(0)
     n, every = 24576, 512
     k, v = random_kv(1, H, n, D)
-    cache = RotatingKVCache(64, checkpoint_every=every)
+    cache = caches.RotatingKVCache(64, checkpoint_every=every)
 
     def check(at):
         taken = [c.offset for c in cache.checkpoints]
@@ -91,7 +86,7 @@ def test_right_padded_rows_spread_checkpoints_over_their_own_tokens(kind):
     mx.random.seed(0)
     lengths, every = [3000, 1200, 2100], 64
     ks, vs = random_kv(3, H, 3000, D)
-    cache = BatchRotatingKVCache(48, [0, 0, 0], checkpoint_every=every)
+    cache = caches.BatchRotatingKVCache(48, [0, 0, 0], checkpoint_every=every)
     if kind == "quantized":
         cache = cache.to_quantized(group_size=32, bits=8)
     cache.prepare(lengths=lengths, right_padding=[3000 - n for n in lengths])
@@ -156,16 +151,16 @@ def test_a_branch_far_back_restores_most_of_its_prefix(load_tiny):
     fresh prefill's (within 1e-5), and each ring's ``nbytes`` counts its 8
     checkpoints, a window each."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    cache = make_prompt_cache(model, checkpoint_every=256)
+    cache = caches.make_prompt_cache(model, checkpoint_every=256)
     prefill(model, LONG, cache, 512)
-    for r in (c for c in cache if isinstance(c, RotatingKVCache)):
+    for r in (c for c in cache if isinstance(c, caches.RotatingKVCache)):
         assert len(r.checkpoints) == 8
         assert r.nbytes == 9 * (r.keys.nbytes + r.values.nbytes)
-    store = LRUPromptCache()
+    store = caches.LRUPromptCache()
     store.insert_cache("m", LONG, cache)
     fetched, rest = store.fetch_nearest_cache("m", BRANCH)
     assert RESTORED <= len(BRANCH) - len(rest) <= 3000
-    fresh = prefill(model, BRANCH, make_prompt_cache(model), 512)
+    fresh = prefill(model, BRANCH, caches.make_prompt_cache(model), 512)
     got = prefill(model, rest, fetched, 512)
     assert mx.allclose(got, fresh, atol=1e-5, rtol=0).item()
 
@@ -192,9 +187,9 @@ def test_a_batch_row_branches_far_back_with_fresh_logprobs(load_tiny):
     1e-5)."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
     other = [(5 * j + 1) % 400 + 10 for j in range(700)]
-    rows = [make_prompt_cache(model, checkpoint_every=256) for _ in range(2)]
+    rows = [caches.make_prompt_cache(model, checkpoint_every=256) for _ in range(2)]
     done = first_logprobs(model, [LONG, other], rows)
-    store = LRUPromptCache()
+    store = caches.LRUPromptCache()
     store.insert_cache("m", done.all_tokens, done.prompt_cache)
     fetched, rest = store.fetch_nearest_cache("m", BRANCH)
     assert RESTORED <= len(BRANCH) - len(rest) <= 3000
@@ -211,12 +206,12 @@ def test_an_agent_loops_checkpoints_hold_no_checkpoints_of_their_own(load_tiny):
     agent loop's entries doubled in ``nbytes`` a turn (162 GB logged for
     an 8B Gemma-3 shape after 8 turns)."""
     model, _ = load_tiny("gemma3_text", sliding_window=64)
-    store, tokens = LRUPromptCache(), LONG[:600]
-    cache, rest = make_prompt_cache(model, checkpoint_every=64), tokens
+    store, tokens = caches.LRUPromptCache(), LONG[:600]
+    cache, rest = caches.make_prompt_cache(model, checkpoint_every=64), tokens
     for turn in range(4):
         done = first_logprobs(model, [rest], [cache])
         tokens = tokens[: len(tokens) - len(rest)] + done.all_tokens
-        rings = [c for c in done.prompt_cache if isinstance(c, RotatingKVCache)]
+        rings = [c for c in done.prompt_cache if isinstance(c, caches.RotatingKVCache)]
         for r in rings:
             assert len(r.checkpoints) >= 5
             assert all(not c.checkpoints for c in r.checkpoints)

@@ -236,3 +236,48 @@ def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
         "Prompt cache disk hit: 40 of 41 tokens (memory had 0)",
         "Prompt cache memory hit: 40 of 41 tokens",
     ]
+
+
+def test_a_conversation_sent_again_is_not_tokenized_again(patched, make_tiny_dir):
+    """Agent loops resend the conversation and its system prompt: the tokens
+    of a call seen before are kept (and handed out as copies), a new turn
+    renders only the conversation, and another tokenizer's are not used."""
+    from mlx_lm.server import ResponseGenerator
+    from mlx_lm.utils import load_tokenizer
+
+    def tokenizer():
+        made = load_tokenizer(make_tiny_dir("llama"))
+        calls, render = [], made.apply_chat_template
+        made.apply_chat_template = lambda *a, **k: calls.append(a) or render(*a, **k)
+        return made, calls, render
+
+    generator = ResponseGenerator.__new__(ResponseGenerator)
+    generator.model_provider = SimpleNamespace(
+        processor=None, cli_args=SimpleNamespace(chat_template_args={})
+    )
+    args = SimpleNamespace(chat_template_kwargs=None)
+
+    def tokenize(tok, messages):
+        request = SimpleNamespace(
+            request_type="chat", messages=messages, tools=None, role_mapping=None
+        )
+        return generator._tokenize(tok, request, args)[:3]
+
+    tok, calls, render = tokenizer()
+    system = {"role": "system", "content": "You answer in one word. " * 20}
+    chat = [system, {"role": "user", "content": "Where is the sun?"}]
+    prompt, segments, types = tokenize(tok, chat)
+    assert prompt == render(chat, add_generation_prompt=True, tokenize=True)
+    assert types == ["system", "user"] and len(calls) == 2
+    prompt.append(-1)  # the caller's list, not the kept one
+    assert tokenize(tok, chat) == (prompt[:-1], segments, types)
+    assert len(calls) == 2
+    turn = chat + [
+        {"role": "assistant", "content": "Up."},
+        {"role": "user", "content": "And the moon?"},
+    ]
+    assert tokenize(tok, turn)[0] == render(turn, add_generation_prompt=True)
+    assert len(calls) == 3  # the system prompt's tokens were kept
+    other, other_calls, _ = tokenizer()
+    tokenize(other, chat)
+    assert len(other_calls) == 2

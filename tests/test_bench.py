@@ -577,3 +577,4 @@ def test_serve_bench_reads_both_servers_logs_and_takes_medians_of_runs():
     assert merged["ttft_s"] == 2.0 and merged["ttft"] == [1.5, 5.0]
     assert merged["timing_ms"] == {"tokenize": 1.0, "lookup": 1.25, "prefill": 20.0}
     assert merged["failed_runs"] == ["RuntimeError: the server died"]
+    assert merged["per_run"] == runs and "per_run" not in merged["tiers"]

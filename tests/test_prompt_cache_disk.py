@@ -1053,20 +1053,30 @@ def test_a_replica_evicting_a_file_another_has_queued_loses_no_write(
 
 
 def test_the_writer_survives_any_error_and_counts_the_entry_dropped(
-    load_tiny, tmp_path, caplog
+    load_tiny, tmp_path, caplog, monkeypatch
 ):
     """An exception the writer does not expect (here: the state of a queued
     entry cannot be copied to host) is warned once, naming the entry, and
     counted; the next entry is written."""
+    from mlx_lm.models import prompt_cache_disk
+
     model, _ = load_tiny("llama")
     x, y = ([t] + PROMPT[:100] for t in (1, 2))
     tier = disk(tmp_path)
     caplog.set_level(logging.WARNING)
+    own, broken = prompt_cache_disk._own_copies, []
+
+    def first_broken(state):
+        copied = own(state)
+        if not broken:
+            broken.append(copied)
+            copied.arrays = None  # nothing to copy: TypeError in the writer
+        return copied
+
+    monkeypatch.setattr(prompt_cache_disk, "_own_copies", first_broken)
     lock = DirectoryHeld(tmp_path)
     try:
         tier.put(MODEL, x, prefilled(model, x))
-        (state,) = tier._pending.values()
-        state.arrays = None  # nothing to copy: TypeError in the writer
         tier.put(MODEL, y, prefilled(model, y))
     finally:
         lock.release()

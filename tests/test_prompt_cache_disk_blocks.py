@@ -165,6 +165,40 @@ def test_a_queued_entry_costs_the_cost_model_the_bytes_its_files_will_hold(
     assert len(seen) == 1 and 0.95 * files < seen[0] <= files
 
 
+def test_the_writer_reads_copies_that_share_no_memory_with_the_entry(
+    tmp_path, monkeypatch
+):
+    """On CUDA a host read moves an MLX array's buffer off the device and
+    frees it, under the kernels of requests still using it (the server died
+    with an illegal memory access): the writer thread reads copies of the
+    entry's arrays and its blocks' runs, equal to them, sharing no memory."""
+    import numpy as np
+    from mlx_lm.models import prompt_cache_disk
+
+    mx.random.seed(5)
+    (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
+    copied, own = [], prompt_cache_disk._own_copies
+    monkeypatch.setattr(
+        prompt_cache_disk,
+        "_own_copies",
+        lambda s: copied.append((s, own(s))) or copied[-1][1],
+    )
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru.insert_cache("m", tokens, cache)
+    lru.disk.close()
+    ((state, theirs),) = copied
+    pairs = [(state.arrays[k], theirs.arrays[k]) for k in state.arrays]
+    for name, block in state.blocks.items():
+        for key, arrays in block.runs.items():
+            pairs += [
+                (a[-1], b[-1]) for a, b in zip(arrays, theirs.blocks[name].runs[key])
+            ]
+    assert len(state.blocks) > 1 and len(pairs) > len(state.arrays)
+    for a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)  # on the CPU: the buffers themselves
+        assert np.array_equal(a, b) and not np.shares_memory(a, b)
+
+
 def test_two_replicas_share_one_set_of_block_files(tmp_path):
     mx.random.seed(3)
     convs = conversations(2, 400, 30)

@@ -252,9 +252,10 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def merge(outs):
+def merge(outs, per_run=True):
     """The runs of one scenario and side: medians (lists element-wise;
-    ``timing_ms``: every value of every run, medians per key)."""
+    ``timing_ms``: every value of every run, medians per key), and each
+    run's figures (``per_run``: medians of runs from several invocations)."""
     ok = [o for o in outs if "error" not in o and "skipped" not in o]
     if not ok:
         return outs[0]
@@ -269,7 +270,7 @@ def merge(outs):
             result[key] = {k: round(median(ms), 3) for k, ms in pooled.items()}
             result["timing_lines"] = max(len(ms) for ms in pooled.values())
         elif isinstance(value, dict):
-            result[key] = merge([v or {} for v in values])
+            result[key] = merge([v or {} for v in values], per_run=False)
         elif isinstance(value, list) and all(len(v) == len(value) for v in values):
             result[key] = [_round(median(x)) for x in zip(*values)]
         elif isinstance(value, (bool, str, list)) or value is None:
@@ -278,6 +279,8 @@ def merge(outs):
             result[key] = _round(median(values))
     if len(ok) < len(outs):
         result["failed_runs"] = [o["error"] for o in outs if "error" in o]
+    if per_run and len(outs) > 1:
+        result["per_run"] = outs
     return result
 
 

@@ -22,7 +22,7 @@ from .cache import (
     prompt_cache_mismatch,
     prompt_cache_state,
 )
-from .prompt_cache_disk_blocks import PromptBlockDir
+from .prompt_cache_disk_blocks import PromptBlockDir, _own_copies
 from .prompt_cache_entries import _disk_restore_point
 
 
@@ -133,7 +133,7 @@ class DiskPromptCache(PromptBlockDir):
             self._pending[name] = state
             self.queued_bytes += state.nbytes
             self._add(name, (model, tokens, trimmable, 0))  # 0: no file yet
-        self._queue.put((name, state, state.nbytes))
+        self._queue.put((name, state, _own_copies(state), state.nbytes))
 
     def learn(self, model: Any, cache: List[Any]):
         """Take ``cache`` as what ``model``'s caches look like: an entry of
@@ -154,10 +154,10 @@ class DiskPromptCache(PromptBlockDir):
         room, an error: warned once, naming it) is counted in ``dropped``
         and not served; the loop goes on whatever happens."""
         while (item := self._queue.get()) is not None:
-            name, state, nbytes = item
+            name, state, own, nbytes = item
             done = False
             try:
-                done = not self._given_up and self._write(name, state)
+                done = not self._given_up and self._write(name, own)
             except Exception as e:
                 logging.warning(f"[prompt cache] could not write {name}: {e!r}")
             try:

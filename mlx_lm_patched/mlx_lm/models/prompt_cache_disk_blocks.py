@@ -68,6 +68,32 @@ class _Block:
         return HostPromptCache(arrays, dtypes, self.meta)
 
 
+def _own_copies(state):
+    """``state`` as the writer thread reads it: device copies of its arrays
+    and of its blocks' runs (evaluated). On CUDA a host read moves an MLX
+    array's buffer off the device and frees it, under the kernels of the
+    requests that still use it: the server died (``illegal memory access``)
+    with the same 24k-token prompt twice and the disk tier on."""
+
+    def own(x):
+        return (x * 1).astype(x.dtype) if isinstance(x, mx.array) else x
+
+    own_state = copy.copy(state)
+    own_state.arrays = {k: own(x) for k, x in state.arrays.items()}
+    runs, own_state.blocks = {}, {}
+    for name, b in state.blocks.items():
+        if id(b.runs) not in runs:
+            runs[id(b.runs)] = {
+                key: [(*spec, own(x)) for *spec, x in arrays]
+                for key, arrays in b.runs.items()
+            }
+        own_state.blocks[name] = _Block(b.shared, runs[id(b.runs)], b.held, b.j, b.meta)
+    copies = [[x[-1] for x in r] for rs in runs.values() for r in rs.values()]
+    copies.append(list(own_state.arrays.values()))
+    mx.eval([x for xs in copies for x in xs if isinstance(x, mx.array)])
+    return own_state
+
+
 class PromptBlockDir(PromptCacheDir):
     """A ``PromptCacheDir`` whose entries may name shared block files."""
 

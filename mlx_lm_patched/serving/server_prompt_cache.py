@@ -58,6 +58,7 @@ from .._newmods import hooks, new_module
 from .._registry import Patch, edits, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    import json
     import logging
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     BatchRotatingKVCache,
     LRUPromptCache,
@@ -132,6 +133,34 @@ def test_batch_rows_take_out_their_own_checkpoints(quantized, keep):
             at = pad[b]
             feed(alone, ks[b : b + 1, :, at:], vs[b : b + 1, :, at:], [c.offset])
             assert same(temporal(c), temporal(alone))
+
+
+def test_a_row_and_the_checkpoints_it_takes_out_cost_one_sync(monkeypatch):
+    """``extract`` syncs once, for the row's and the batch's checkpoints'
+    offsets together (later evals find them done), and schedules what it
+    copies without waiting: a server extracts every layer of a segment
+    before its first token."""
+    mx.random.seed(0)
+    ks, vs = random_kv(2, H, 150, D)
+    cache = BatchRotatingKVCache(48, [0, 20], checkpoint_every=32)
+    feed(cache, ks, vs, [150])
+    assert len(cache.checkpoints) == 4
+    calls = []
+    for name in ("eval", "async_eval"):
+
+        def record(*a, _name=name, _fn=getattr(mx, name)):
+            calls.append((_name, {id(x) for _, x in tree_flatten(a)}))
+            return _fn(*a)
+
+        monkeypatch.setattr(mx, name, record)
+    offsets = {
+        id(x) for c in (cache, *cache.checkpoints) for x in (c.offset, c.left_padding)
+    }
+    taken = cache.extract(1).checkpoints
+    assert [c.offset for c in taken] == [12, 44, 76, 108]
+    assert calls[0] == ("eval", offsets)
+    assert calls[-1][0] == "async_eval"
+    assert all(held <= offsets for name, held in calls if name == "eval")
 
 
 def test_rows_keep_their_checkpoints_when_others_join():

@@ -199,6 +199,29 @@ def test_the_writer_reads_copies_that_share_no_memory_with_the_entry(
         assert np.array_equal(a, b) and not np.shares_memory(a, b)
 
 
+def test_an_insert_with_the_disk_tier_waits_for_nothing(tmp_path, monkeypatch):
+    """Queuing an entry (blocks, state, the writer's copies) schedules its
+    arrays and never waits for the device on the serving thread: each wait
+    held a request's first token behind every kernel queued; the writer
+    thread waits for the copies it reads, and writes what the entry holds."""
+    mx.random.seed(6)
+    (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    waits, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: waits.append(1) or evaluate(*a))
+    lru.insert_cache("m", tokens, cache)
+    assert lru.disk.queued == 1 and waits == []
+    monkeypatch.undo()
+    lru.disk.close()
+    assert lru.disk.written == 1
+    fresh = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    got, rest = fresh.fetch_nearest_cache("m", tokens)
+    assert rest == [] and len(got) == len(cache)
+    for a, b in zip(got, cache):
+        n = b.offset
+        assert same(a.state[:2], (b.keys[..., :n, :], b.values[..., :n, :]))
+
+
 def test_two_replicas_share_one_set_of_block_files(tmp_path):
     mx.random.seed(3)
     convs = conversations(2, 400, 30)

@@ -303,3 +303,50 @@ def test_sliding_layers_rest_quantized_and_step_back_within_their_slack(bits, mo
 def test_bits_other_than_4_or_8_are_refused():
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         LRUPromptCache(bits=3)
+
+
+def test_an_insert_schedules_every_layers_copy_at_once(patched, monkeypatch):
+    """``insert_cache`` copies a layer at a time and schedules the copies in
+    one ``mx.async_eval`` (each call costs the host a graph and a commit:
+    a Gemma-3 entry has 27 rings); it waits for none of them."""
+    layers = [RotatingKVCache(64, 4) for _ in range(5)]
+    for c in layers:
+        fed(c, [100])
+    calls = []
+    for name in ("eval", "async_eval"):
+
+        def record(*a, _name=name, _fn=getattr(mx, name)):
+            calls.append(_name)
+            return _fn(*a)
+
+        monkeypatch.setattr(mx, name, record)
+    lru = LRUPromptCache()
+    lru.insert_cache("m", list(range(100)), layers)
+    assert calls == ["async_eval"]
+    got, rest = lru.fetch_nearest_cache("m", list(range(100)) + [7])
+    assert rest == [7] and all(
+        same(a.state[:2], b.state[:2]) for a, b in zip(got, layers)
+    )
+
+
+def test_an_agent_turn_builds_one_working_cache(patched, monkeypatch):
+    """A new turn resends the last prompt, then a reply its client rendered
+    otherwise: the entry with the reply cannot go back past its slack, its
+    newest checkpoint is older than the entry a server keeps of the last
+    prompt (less its last token), so the fetch takes that entry and builds
+    no cache from a checkpoint first."""
+    prompt, reply = list(range(200)), list(range(1000, 1040))
+    k, v = random_kv(1, H, 240, DK)
+    lru = LRUPromptCache()
+    for tokens in (prompt[:-1], prompt + reply):
+        c = RotatingKVCache(48, slack=8, checkpoint_every=32)
+        for a, b in ((0, 199), (199, len(tokens))):
+            if b > a:
+                c.update_and_fetch(k[..., a:b, :], v[..., a:b, :])
+        lru.insert_cache("m", tokens, [c])
+    built = []
+    working = lru._working_cache
+    monkeypatch.setattr(lru, "_working_cache", lambda e: built.append(e) or working(e))
+    turn = prompt + [5] * 30
+    (got,), rest = lru.fetch_nearest_cache("m", turn)
+    assert rest == turn[199:] and got.offset == 199 and len(built) == 1

@@ -131,7 +131,8 @@ class BatchRotatingKVCache:
             self.checkpoint_every,
             self.max_checkpoints,
         )
-        mx.eval(self.left_padding, self.offset)
+        # One sync for the row and the checkpoints it takes out of the batch
+        mx.eval([(c.left_padding, c.offset) for c in (self, *self.checkpoints)])
         cache.offset = self.offset.tolist()[idx]
         if self.keys is None:
             cache.offset = 0
@@ -168,8 +169,8 @@ class BatchRotatingKVCache:
     def _row_checkpoints(self, idx, offset):
         """Row ``idx``'s checkpoints (it holds ``offset`` tokens): those it
         brought and the batch's cut out for it, past its sinks, spread over
-        its own positions (``_spread``), evaluated (pinning none of the
-        batch's buffers)."""
+        its own positions (``_spread``), scheduled (pinning none of the
+        batch's buffers; no wait, on the serving path)."""
         taken = list(self.row_checkpoints[idx]) if self.row_checkpoints else []
         taken += [c.extract(idx) for c in self.checkpoints]
         if not taken:
@@ -177,7 +178,7 @@ class BatchRotatingKVCache:
         held = {c.offset: c for c in taken if self.keep < c.offset <= offset}
         every, most = self.checkpoint_every, self.max_checkpoints
         taken = [held[p] for p in _spread(sorted(held), every, most)]
-        mx.eval([c.state for c in taken])
+        mx.async_eval([c.state for c in taken])
         return taken
 
     def _convert_checkpoints(self, cache, convert):

@@ -109,13 +109,15 @@ class LRUPromptCache:
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
 
-    def _from_checkpoint(self, cache_entry, length, prefix):
+    def _from_checkpoint(self, cache_entry, length, prefix, past=0):
         """A working cache from the newest position at or before ``prefix``
         where every layer of the ``length``-token entry has a checkpoint or
-        trims to, and that position; ``(None, 0)`` where there is none."""
+        trims to, and that position; ``(None, 0)`` where there is none past
+        ``past`` (an agent loop's turn prefers the previous prompt's entry:
+        no working cache is built for nothing)."""
         points = _restore_points(cache_entry.prompt_cache, length)
         at = max((p for p in points if p <= prefix), default=0)
-        if at == 0:
+        if at <= past:
             return None, 0
         cache = self._working_cache(cache_entry)
         # A checkpoint quantized at rest is dequantized, as the entry is
@@ -143,9 +145,9 @@ class LRUPromptCache:
             # A wrapped ring's checkpoint instead (_from_checkpoint)
             if any(getattr(c, "checkpoints", ()) for c in cache_entry.prompt_cache):
                 cache, at = self._from_checkpoint(
-                    cache_entry, len(result.longer), prefix
+                    cache_entry, len(result.longer), prefix, short_length
                 )
-                if at > short_length:
+                if cache is not None:
                     return cache, tokens[at:]
 
         if short_length > 0:
@@ -193,14 +195,14 @@ class LRUPromptCache:
                 )
         # Store a copy of the live tokens, not the working buffers (layers
         # cut into blocks are copied as their blocks and tail, once)
-        prompt_cache = [
-            (
-                c
-                if self.bits is None and self._blocks.count(c, tokens)
-                else self._at_rest(c)
-            )
-            for c in prompt_cache
+        cut = [
+            self.bits is None and self._blocks.count(c, tokens) for c in prompt_cache
         ]
+        prompt_cache = [c if k else self._at_rest(c) for c, k in zip(prompt_cache, cut)]
+        # The copies scheduled at once, not a layer at a time
+        mx.async_eval(
+            [getattr(c, "state", ()) for c, k in zip(prompt_cache, cut) if not k]
+        )
         prompt_cache = self._blocks.share(model, tokens, prompt_cache)
 
         # Make the cache entry
@@ -232,13 +234,12 @@ class LRUPromptCache:
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
 
     def _at_rest(self, cache):
-        """A copy of ``cache``'s live tokens as an entry keeps them."""
+        """A copy of ``cache``'s live tokens as an entry keeps them, lazy
+        (``insert_cache`` schedules them)."""
         if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
             return _copy_cache(cache, mx.array)
         live = _copy_cache(cache, copy.copy)  # shares the buffers
-        quantized = live.to_quantized(group_size=self.group_size, bits=self.bits)
-        mx.async_eval(quantized.state)
-        return quantized
+        return live.to_quantized(group_size=self.group_size, bits=self.bits)
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None

@@ -129,7 +129,8 @@ class PromptBlocks:
             template = copy.copy(c)
             template.keys = template.values = None
             out.append(SharedPrefixCache(template, state[2:], blocks, tail))
-        mx.async_eval(new)  # the new runs' and tails' copies, scheduled at once
+        if new:  # the new runs' and tails' copies, scheduled at once
+            mx.async_eval(new)
         return out
 
     def chain(self, model: Any, tokens: List[int]) -> List[bytes]:

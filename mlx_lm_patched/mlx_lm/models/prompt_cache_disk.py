@@ -32,9 +32,9 @@ class DiskPromptCache(PromptBlockDir):
     Each file is a ``.safetensors`` prompt cache named by a hash of its model
     key and tokens; its metadata holds both, the tokens it can trim, a
     checksum of its whole header (``_manifest``) and a CRC-32 of its data.
-    ``put`` queues the entry's arrays, not a copy, and returns; the queue
-    holds at most ``queue_bytes`` of them: ``flush`` waits for the writes,
-    ``close`` ends the writer. Several processes may share ``directory``:
+    ``put`` queues the entry (and the device copies the writer reads:
+    ``_own_copies``) and returns; the queue holds at most ``queue_bytes``
+    of them: ``flush`` waits for the writes, ``close`` ends the writer. Several processes may share ``directory``:
     the budget is counted over its files under an ``flock`` of the
     directory, the least recently used (oldest mtime) go first.
     """
@@ -80,7 +80,8 @@ class DiskPromptCache(PromptBlockDir):
 
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
-        (its arrays are evaluated here, not copied); ``get`` serves it from
+        (its arrays scheduled here, copied for the writer, never waited
+        for on the calling thread); ``get`` serves it from
         now on. An entry written or queued already is left as it is; one
         that would take the queue past ``queue_bytes`` (unless the queue is
         empty) or is larger than ``max_bytes`` is dropped (warned, counted in

@@ -70,7 +70,8 @@ class _Block:
 
 def _own_copies(state):
     """``state`` as the writer thread reads it: device copies of its arrays
-    and of its blocks' runs (evaluated). On CUDA a host read moves an MLX
+    and of its blocks' runs, scheduled (the writer waits for them, the
+    serving thread does not). On CUDA a host read moves an MLX
     array's buffer off the device and frees it, under the kernels of the
     requests that still use it: the server died (``illegal memory access``)
     with the same 24k-token prompt twice and the disk tier on."""
@@ -90,7 +91,7 @@ def _own_copies(state):
         own_state.blocks[name] = _Block(b.shared, runs[id(b.runs)], b.held, b.j, b.meta)
     copies = [[x[-1] for x in r] for rs in runs.values() for r in rs.values()]
     copies.append(list(own_state.arrays.values()))
-    mx.eval([x for xs in copies for x in xs if isinstance(x, mx.array)])
+    mx.async_eval([x for xs in copies for x in xs if isinstance(x, mx.array)])
     return own_state
 
 
@@ -166,7 +167,7 @@ class PromptBlockDir(PromptCacheDir):
                     + ((x.view(mx.uint16),) if x.dtype == mx.bfloat16 else (x,))
                     for k, x in tree_flatten(run[0])
                 ]
-        mx.eval([[x[-1] for x in run] for run in runs.values()])  # views: no copy
+        mx.async_eval([[x[-1] for x in run] for run in runs.values()])  # views
         texts = {}  # id of a held list -> its JSON
         for j, (name, held, digest) in enumerate(names):
             if id(held) not in texts:

@@ -33,8 +33,9 @@ def _live_state(cache):
 
 def _copy_cache(cache, copy_array):
     """A cache like ``cache`` whose arrays are ``copy_array`` of its live
-    state's (``mx.array`` copies them, scheduled; ``copy.copy`` shares their
-    buffers). Nothing waits: a fetch or an insert never syncs the stream."""
+    state's (``mx.array`` copies them, lazily: the caller schedules a whole
+    entry at once; ``copy.copy`` shares their buffers). Nothing waits: a
+    fetch or an insert never syncs the stream."""
     if not isinstance(cache, _BaseCache):  # not a cache of this module
         return copy.deepcopy(cache)
     new = copy.copy(cache)
@@ -45,8 +46,6 @@ def _copy_cache(cache, copy_array):
             lambda x: copy_array(x) if isinstance(x, mx.array) else x,
             _live_state(cache),
         )
-        if copy_array is not copy.copy:
-            mx.async_eval(new.state)
     return new
 
 

@@ -61,10 +61,11 @@ class HostPromptCache:
 def prompt_cache_state(
     cache: List[Any], metadata: Optional[Dict[str, str]] = None
 ) -> HostPromptCache:
-    """``cache``'s state evaluated on the calling thread, not copied: a
-    ``HostPromptCache`` of MLX arrays (bfloat16 viewed as uint16) that any
-    thread may copy to host (another thread cannot evaluate them: "There is
-    no Stream(cpu, 0) in current thread"). Holding them keeps their buffers
+    """``cache``'s state scheduled on the calling thread, not copied nor
+    waited for: a ``HostPromptCache`` of MLX arrays (bfloat16 viewed as
+    uint16) that any thread may copy to host, waiting for them (another
+    thread cannot schedule them: "There is no Stream(cpu, 0) in current
+    thread"). Holding them keeps their buffers
     from being donated to an update, so they do not change. Rings'
     checkpoints (``RotatingKVCache._checkpoint``) follow the layers as caches
     of their own, the metadata's ``ring_checkpoints`` naming each one's
@@ -94,7 +95,7 @@ def prompt_cache_state(
         # update, unevaluated), never the buffer a handle holds.
         data = copy.copy(data)
         arrays[k] = data.view(mx.uint16) if data.dtype == mx.bfloat16 else data
-    mx.eval(list(arrays.values()))
+    mx.async_eval(list(arrays.values()))
     classes = [type(c).__name__ for c in cache]
     cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
     return HostPromptCache(arrays, dtypes, cache_metadata)

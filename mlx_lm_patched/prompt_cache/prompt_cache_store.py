@@ -193,6 +193,17 @@ class LRUPromptCache:
                     f"LRUPromptCache.insert_cache: a {type(c).__name__} holding "
                     f"{offset} tokens given for {len(tokens)} tokens"
                 )
+        # The same tokens again (a prompt resent, a system prompt shared):
+        # the entry held is that cache already, not copied again
+        try:
+            held = self._trie.get(model, tokens)
+        except KeyError:
+            held = None
+        if held is not None and held.cache_type == cache_type:
+            self._lru.remove(model, tokens)
+            self._lru.push(model, tokens, cache_type)
+            return
+
         # Store a copy of the live tokens, not the working buffers (layers
         # cut into blocks are copied as their blocks and tail, once)
         cut = [

@@ -76,8 +76,8 @@ def _own_copies(state):
     requests that still use it: the server died (``illegal memory access``)
     with the same 24k-token prompt twice and the disk tier on."""
 
-    def own(x):
-        return (x * 1).astype(x.dtype) if isinstance(x, mx.array) else x
+    def own(x):  # not the scalars and strings made for the file (0 or 1-d)
+        return (x * 1).astype(x.dtype) if getattr(x, "ndim", 0) > 1 else x
 
     own_state = copy.copy(state)
     own_state.arrays = {k: own(x) for k, x in state.arrays.items()}

@@ -76,11 +76,12 @@ def prompt_cache_state(
         metadata = {**(metadata or {}), "ring_checkpoints": positions}
         cache = [*cache, *(c for _, c in held)]
     scalars = [""]  # as in save_prompt_cache
-    arrays, dtypes = {}, {}
+    arrays, dtypes, made = {}, {}, {}  # made: one array a scalar value
     for k, data in tree_flatten([c.state for c in cache]):
         if isinstance(data, (int, float, bool)):
             scalars.append((k, "scalar"))
-            data = mx.array(data)
+            key = (type(data), data)
+            data = made[key] = made[key] if key in made else mx.array(data)
         elif isinstance(data, str):
             scalars.append((k, "string"))
             data = mx.array([ord(char) for char in data])
@@ -89,11 +90,12 @@ def prompt_cache_state(
             data = mx.array([])
         elif not isinstance(data, mx.array):
             raise ValueError(f"Model state is not serializable: {data}")
+        else:
+            # Its own handle on the buffer: ``c.keys[...] = x`` replaces what
+            # the cache's handle points to (measured: a held handle then reads
+            # the update, unevaluated), never the buffer a handle holds.
+            data = copy.copy(data)
         dtypes[k] = str(data.dtype).rpartition(".")[2]
-        # Its own handle on the buffer: ``c.keys[...] = x`` replaces what the
-        # cache's handle points to (measured: a held handle then reads the
-        # update, unevaluated), never the buffer a handle holds.
-        data = copy.copy(data)
         arrays[k] = data.view(mx.uint16) if data.dtype == mx.bfloat16 else data
     mx.async_eval(list(arrays.values()))
     classes = [type(c).__name__ for c in cache]

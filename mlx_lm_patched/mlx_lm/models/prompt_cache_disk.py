@@ -34,9 +34,10 @@ class DiskPromptCache(PromptBlockDir):
     checksum of its whole header (``_manifest``) and a CRC-32 of its data.
     ``put`` queues the entry (and the device copies the writer reads:
     ``_own_copies``) and returns; the queue holds at most ``queue_bytes``
-    of them: ``flush`` waits for the writes, ``close`` ends the writer. Several processes may share ``directory``:
-    the budget is counted over its files under an ``flock`` of the
-    directory, the least recently used (oldest mtime) go first.
+    of them: ``flush`` waits for the writes, ``close`` ends the writer.
+    Several processes may share ``directory``: the budget is counted over
+    its files under an ``flock`` of the directory, the least recently used
+    (oldest mtime) go first.
     """
 
     # Seconds a stopping server gives the writer to write what is queued.
@@ -81,8 +82,7 @@ class DiskPromptCache(PromptBlockDir):
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
         (its arrays scheduled here, copied for the writer, never waited
-        for on the calling thread); ``get`` serves it from
-        now on. An entry written or queued already is left as it is; one
+        for on the calling thread); ``get`` serves it from now on. An entry written or queued already is left as it is; one
         that would take the queue past ``queue_bytes`` (unless the queue is
         empty) or is larger than ``max_bytes`` is dropped (warned, counted in
         ``dropped``)."""

@@ -71,10 +71,10 @@ class _Block:
 def _own_copies(state):
     """``state`` as the writer thread reads it: device copies of its arrays
     and of its blocks' runs, scheduled (the writer waits for them, the
-    serving thread does not). On CUDA a host read moves an MLX
-    array's buffer off the device and frees it, under the kernels of the
-    requests that still use it: the server died (``illegal memory access``)
-    with the same 24k-token prompt twice and the disk tier on."""
+    serving thread does not). On CUDA a host read moves an MLX array's
+    buffer off the device and frees it, under the kernels of the requests
+    that still use it: the server died (``illegal memory access``) with the
+    same 24k-token prompt twice and the disk tier on."""
 
     def own(x):  # not the scalars and strings made for the file (0 or 1-d)
         return (x * 1).astype(x.dtype) if getattr(x, "ndim", 0) > 1 else x

@@ -65,11 +65,11 @@ def prompt_cache_state(
     waited for: a ``HostPromptCache`` of MLX arrays (bfloat16 viewed as
     uint16) that any thread may copy to host, waiting for them (another
     thread cannot schedule them: "There is no Stream(cpu, 0) in current
-    thread"). Holding them keeps their buffers
-    from being donated to an update, so they do not change. Rings'
-    checkpoints (``RotatingKVCache._checkpoint``) follow the layers as caches
-    of their own, the metadata's ``ring_checkpoints`` naming each one's
-    layer and position (``_prompt_cache_from_arrays`` puts them back)."""
+    thread"). Holding them keeps their buffers from being donated to an
+    update, so they do not change. Rings' checkpoints
+    (``RotatingKVCache._checkpoint``) follow the layers as caches of their
+    own, the metadata's ``ring_checkpoints`` naming each one's layer and
+    position (``_prompt_cache_from_arrays`` puts them back)."""
     held = [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]
     if held:
         positions = json.dumps([[i, c.offset] for i, c in held])

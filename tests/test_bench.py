@@ -541,6 +541,9 @@ def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
             ttft = [r[k] for k in r if k.startswith("ttft_")]  # agent: a list too
             ttft = [t for v in ttft for t in (v if isinstance(v, list) else [v])]
             assert ttft and all(t > 0 for t in ttft), (name, side, r)
+            # The breakdown of the requests the scenario's TTFT is of, alone
+            if side != "upstream" and name in ("agent", "repeated", "shared", "edited"):
+                assert "first_token" in r["hits_timing_ms"], (name, side, r)
         # Every side was sent the same prompts.
         counts = {
             r.get("prompt_tokens") for r in by_side.values() if "skipped" not in r

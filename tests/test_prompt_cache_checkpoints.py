@@ -538,6 +538,38 @@ def test_a_disk_entry_branches_from_its_checkpoints_after_a_restart(
         assert all(same(temporal(a), temporal(b)) for a, b in pairs)
 
 
+def test_a_branch_of_a_disk_entry_reads_its_header_only_to_load_it(
+    load_tiny, tmp_path, monkeypatch
+):
+    """Where an entry's rings all have checkpoints is kept from its write:
+    a fetch that branches off it reads the file's header only to load it
+    (an agent loop asks it of the last entry every turn; a Gemma-3 header
+    with its checkpoints takes ~10 ms to parse); a tier that did not write
+    it (a replica, a restart) reads it once, then no more."""
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
+
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    cache = make_prompt_cache(model, checkpoint_every=512)
+    prefill(model, FIRST, cache)
+    writer = DiskPromptCache(str(tmp_path))
+    writer.put("m", FIRST, cache)
+    writer.flush()
+    other = DiskPromptCache(str(tmp_path))
+    for tier, looks in ((writer, 0), (other, 1)):
+        reads = []
+        read = tier._read_header
+
+        def counted(*a, _read=read, _reads=reads, **k):
+            _reads.append("fd" in k)  # with an fd: a load
+            return _read(*a, **k)
+
+        monkeypatch.setattr(tier, "_read_header", counted)
+        for _ in range(2):
+            fetched, rest = tier.get("m", SECOND)
+            assert len(rest) == 1240 - 1024
+        assert reads.count(False) == looks and reads.count(True) == 2
+
+
 def test_an_entry_written_without_checkpoints_still_loads(load_tiny, tmp_path):
     """A file as the disk tier wrote it before checkpoints were kept (no
     ``ring_checkpoints`` in its header) is served as before: the whole

@@ -907,6 +907,28 @@ def test_cost_model_restores_what_saves_time_and_recomputes_otherwise(
     assert lru.fetch_nearest_cache(MODEL, prompt)[1] == prompt[100:]
 
 
+def test_memory_leaving_the_last_token_asks_nothing_of_the_disk(
+    load_tiny, tmp_path, monkeypatch
+):
+    """A prompt sent again hits memory for all but its last token, which is
+    prefilled whatever the disk holds: the tier is not asked (its lookup
+    walked and hashed the whole prompt: ~100 ms for 24k tokens on a GPU
+    host); with two tokens left it is."""
+    model, _ = load_tiny("llama")
+    written(tmp_path, (PROMPT, prefilled(model, PROMPT)))
+    tier = disk(tmp_path)
+    asked = []
+    get = tier.get
+    monkeypatch.setattr(tier, "get", lambda *a, **k: asked.append(a) or get(*a, **k))
+    lru = restores(tier)
+    lru.insert_cache(MODEL, PROMPT[:-2], prefilled(model, PROMPT[:-2]))
+    assert lru.fetch_nearest_cache(MODEL, PROMPT)[1] == []  # the disk: it all
+    assert len(asked) == 1
+    lru.insert_cache(MODEL, PROMPT[:-1], prefilled(model, PROMPT[:-1]))
+    assert lru.fetch_nearest_cache(MODEL, PROMPT[:-1] + [7])[1] == [7]
+    assert len(asked) == 1
+
+
 def test_a_forced_recompute_gives_the_same_tokens_as_a_restore(load_tiny, tmp_path):
     model, _ = load_tiny("llama")
     written(tmp_path, (PROMPT, prefilled(model, PROMPT)))

@@ -41,6 +41,7 @@ class Server:
     def __init__(self, front, model, flags, log, start_timeout=600):
         self.front, self.model, self.flags = front, model, list(map(str, flags))
         self.log, self.start_timeout, self.proc = Path(log), start_timeout, None
+        self.hits = None  # a mark: the log of the requests a scenario times
 
     def start(self):
         """Start and wait until ``/health`` answers; the seconds that took."""
@@ -262,13 +263,13 @@ def merge(outs, per_run=True):
     result = {}
     for key, value in ok[0].items():
         values = [o.get(key) for o in ok]
-        if key == "timing_ms":
+        if key.endswith("timing_ms"):
             pooled = {}
             for v in values:
                 for k, ms in (v or {}).items():
                     pooled.setdefault(k, []).extend(ms)
             result[key] = {k: round(median(ms), 3) for k, ms in pooled.items()}
-            result["timing_lines"] = max(len(ms) for ms in pooled.values())
+            result[key[:-3] + "_lines"] = max(len(ms) for ms in pooled.values())
         elif isinstance(value, dict):
             result[key] = merge([v or {} for v in values], per_run=False)
         elif isinstance(value, list) and all(len(v) == len(value) for v in values):
@@ -298,10 +299,10 @@ def table(scenario, sides, keys):
             rows.append([side, r.get("error") or r["skipped"]])
             continue
         rows.append([side] + ["-" if r.get(k) is None else str(r[k]) for k in keys])
-        if "timing_ms" in r:
-            rows.append(
-                ["  timing ms"] + [f"{k}={v}" for k, v in r["timing_ms"].items()]
-            )
+        for key in ("timing_ms", "hits_timing_ms"):
+            if key in r:
+                name = f"  {key[:-3].replace('_', ' ')} ms"
+                rows.append([name] + [f"{k}={v}" for k, v in r[key].items()])
     widths = [
         max(len(row[i]) for row in rows if i < len(row)) for i in range(len(keys) + 1)
     ]

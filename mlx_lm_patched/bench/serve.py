@@ -42,7 +42,9 @@ with texts of its own), one side after another, the order reversed every
 other run; ``--runs`` R gives medians of R runs. ``--scale`` multiplies the
 token counts not given. ``--breakdown`` runs the patched sides at
 ``--log-level DEBUG`` and reports, per scenario, the median of each
-``key=value`` of their ``timing:`` log lines. Servers' output goes to log
+``key=value`` of their ``timing:`` log lines (``timing_ms``), and of
+the hits' alone (``hits_timing_ms``: the turns after the first, the prompt
+again, the requests after the first sharing a system prompt). Servers' output goes to log
 files (``--logs``, else a temporary directory, printed); a side that fails
 records its error and the log's tail is printed. JSON on stdout, a table per
 scenario on stderr.
@@ -142,9 +144,9 @@ def ask(ctx, server, messages, max_tokens=None):
     return stream(server.port, path, body, ctx.args.timeout)
 
 
-def agent_loop(ctx, server, seed, system, turns):
+def agent_loop(ctx, server, seed, system, turns, hits=False):
     """``turns`` requests: the system prompt and a task, then each reply
-    and a tool result appended."""
+    and a tool result appended (``hits``: turns 1- are the scenario's)."""
     a, text = ctx.args, ctx.prompts.text
     messages = [
         {"role": "system", "content": system},
@@ -153,6 +155,8 @@ def agent_loop(ctx, server, seed, system, turns):
     replies = []
     for t in range(turns):
         replies.append(ask(ctx, server, messages))
+        if hits and t == 0:
+            server.hits = server.mark()
         tool = f"Tool result: {text(a.tool, f'{seed}-tool{t}')}"
         messages += [
             {"role": "assistant", "content": replies[-1]["text"]},
@@ -163,7 +167,7 @@ def agent_loop(ctx, server, seed, system, turns):
 
 def agent(ctx, server):
     system = ctx.prompts.text(ctx.args.system, "agent-system")
-    replies = agent_loop(ctx, server, "agent", system, ctx.args.turns)
+    replies = agent_loop(ctx, server, "agent", system, ctx.args.turns, hits=True)
     ttft = [r["ttft_s"] for r in replies]
     return {
         "prompt_tokens": replies[-1]["prompt_tokens"],
@@ -178,7 +182,9 @@ def agent(ctx, server):
 
 def repeated(ctx, server):
     messages = [{"role": "user", "content": ctx.prompts.text(ctx.args.long, "long")}]
-    cold, again = ask(ctx, server, messages), ask(ctx, server, messages)
+    cold = ask(ctx, server, messages)
+    server.hits = server.mark()
+    again = ask(ctx, server, messages)
     return {
         "prompt_tokens": cold["prompt_tokens"],
         "ttft_cold_s": cold["ttft_s"],
@@ -191,10 +197,12 @@ def repeated(ctx, server):
 def shared(ctx, server):
     a, text = ctx.args, ctx.prompts.text
     system = {"role": "system", "content": text(a.shared, "shared-system")}
-    replies = [
-        ask(ctx, server, [system, {"role": "user", "content": text(a.own, f"own{i}")}])
-        for i in range(a.shared_requests)
-    ]
+    replies = []
+    for i in range(a.shared_requests):
+        own = {"role": "user", "content": text(a.own, f"own{i}")}
+        replies.append(ask(ctx, server, [system, own]))
+        if i == 0:
+            server.hits = server.mark()
     return {
         "prompt_tokens": replies[0]["prompt_tokens"],
         "ttft_first_s": replies[0]["ttft_s"],
@@ -225,7 +233,9 @@ def conversation(ctx):
 
 def edited(ctx, server):
     messages, changed = conversation(ctx)
-    first, second = ask(ctx, server, messages), ask(ctx, server, changed)
+    first = ask(ctx, server, messages)
+    server.hits = server.mark()
+    second = ask(ctx, server, changed)
     a, b = ctx.prompts.tokens(messages), ctx.prompts.tokens(changed)
     common = next(
         (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
@@ -353,7 +363,7 @@ def run_group(ctx, model, tmp, side, scenarios, name, results):
                 out.append({"skipped": "no --prompt-cache-dir"})
                 continue
             print(f"bench serve: {name} {scenario}", file=sys.stderr, flush=True)
-            mark = server.mark()
+            mark, server.hits = server.mark(), None
             try:
                 if not server.alive():
                     server.start()
@@ -367,6 +377,9 @@ def run_group(ctx, model, tmp, side, scenarios, name, results):
                 )
                 server.stop(signal.SIGKILL)
             result.update(log_figures(server.since(mark)))
+            if server.hits is not None:  # the requests the scenario's TTFT is of
+                hits = log_figures(server.since(server.hits)).get("timing_ms")
+                result.update({"hits_timing_ms": hits} if hits else {})
             out.append(result)
     finally:
         server.stop()

@@ -23,7 +23,7 @@ from .cache import (
     prompt_cache_state,
 )
 from .prompt_cache_disk_blocks import PromptBlockDir, _own_copies
-from .prompt_cache_entries import _disk_restore_point
+from .prompt_cache_entries import _disk_restore_point, _ring_points
 
 
 class DiskPromptCache(PromptBlockDir):
@@ -53,6 +53,8 @@ class DiskPromptCache(PromptBlockDir):
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
+        # name -> (file bytes, where its rings all have checkpoints)
+        self._points = {}
         PromptBlockDir.__init__(self, directory, max_bytes, mode)
         self.queue_bytes = queue_bytes
         # Whether put and get wait for a model directory's digest (the
@@ -217,12 +219,18 @@ class DiskPromptCache(PromptBlockDir):
                 self._close_temps(temps)
             now = time.time_ns()  # finer than the file system's clock
             os.utime(path, ns=(now, now))
+            size = os.path.getsize(path)
             with self._lock:
-                self._add(name, (*state.entry, os.path.getsize(path)))
+                self._add(name, (*state.entry, size))
+                self._points[name] = (size, _ring_points(state.metadata))
             self._shrink()
         finally:
             self._unlock_dir()
         return True
+
+    def _drop(self, name: str):
+        PromptBlockDir._drop(self, name)
+        self._points.pop(name, None)
 
     def _pending_cache(self, name: str):
         """The cache of the queued entry ``name``, sharing its arrays, or
@@ -296,14 +304,13 @@ class DiskPromptCache(PromptBlockDir):
             return None
         while True:
             with self._lock:
-                options = self._options(model, tokens)
+                options = self._options(model, tokens, cached)
                 if saves is None:
-                    options = [(n, n, s) for n, s in options if n > cached]
+                    options = [(n, n, s) for n, s in options]
                 else:
                     options = [
                         (saves(n, self._entry_bytes(self._name(model, s))), n, s)
                         for n, s in options
-                        if n > cached
                     ]
                     options = [x for x in options if x[0] > 0]
                 if not options:
@@ -334,15 +341,16 @@ class DiskPromptCache(PromptBlockDir):
                 pass
             return cache, tokens[n:]
 
-    def _options(self, model: str, tokens: List[int]):
+    def _options(self, model: str, tokens: List[int], cached: int = 0):
         """``(tokens reused, stored tokens)`` of each entry that can serve
-        ``tokens``: every stored prefix of them, and the shortest longer
-        entry trimmed back to their common prefix, where it can be trimmed
-        (``LRUPromptCache.fetch_nearest_cache``'s candidates). Called with
-        the lock held."""
+        ``tokens`` reusing more than ``cached``: every stored prefix of them,
+        and the shortest longer entry trimmed back to their common prefix,
+        where it can be trimmed (``LRUPromptCache.fetch_nearest_cache``'s
+        candidates; its header is read only if it could reuse more). Called
+        with the lock held."""
         options, node = [], self._trie._trie.get(model, {})
         for i in range(len(tokens) + 1):
-            if "__value__" in node:
+            if "__value__" in node and i > cached:
                 options.append((i, tokens[:i]))
             if i == len(tokens) or tokens[i] not in node:
                 break
@@ -350,8 +358,9 @@ class DiskPromptCache(PromptBlockDir):
         result = self._trie.search(model, tokens)
         prefix = min(len(tokens) - 1, result.common_prefix)
         longer = result.longer
-        if longer is not None and result.exact is None and prefix > 0:
-            options.append((_disk_restore_point(self, model, longer, prefix), longer))
+        if longer is not None and result.exact is None and prefix > cached:
+            n = _disk_restore_point(self, model, longer, prefix)
+            options += [(n, longer)] if n > cached else []
         return options
 
     def flush(self):
@@ -441,7 +450,7 @@ class DiskLRUPromptCache(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
         tier = "miss" if cache is None else "memory hit"
-        if rest:
+        if len(rest) > 1:  # the last token is prefilled whatever the disk has
             cached = len(tokens) - len(rest)
             rate, read = self.prefill_rate, self.disk.read_rate
             saves = (

@@ -89,21 +89,32 @@ def _disk_restore_point(disk, model, tokens, prefix):
     ``DiskPromptCache``'s) a prompt sharing ``prefix`` of them can reuse:
     ``prefix`` where it trims back there, else the newest position at or
     before it where each of its rings has a checkpoint, as its header says
-    (its other layers are taken to trim; a load checks both), or 0."""
+    (its other layers are taken to trim; a load checks both), or 0. The
+    positions are kept (``disk._points``) while the file is the one indexed:
+    an agent loop asks of the same entry every turn."""
     name = disk._name(model, tokens)
+    size = disk._files[name][3]  # 0 while queued
     if disk._files[name][2] >= len(tokens) - prefix:
         return prefix
-    try:
-        state = disk._pending.get(name)
-        if state is None:
-            path = os.path.join(disk.directory, name)
-            meta = disk._read_header(path, full=True)[1]["__metadata__"]
-        else:
-            meta = state.metadata
-        found = {}
-        for i, p in json.loads(meta.get("0.ring_checkpoints", "[]")):
-            found.setdefault(i, set()).add(p)
-    except Exception:  # unreadable: none (a load would say why)
-        return 0
-    common = set.intersection(*found.values()) if found else set()
-    return max((p for p in common if p <= prefix), default=0)
+    if disk._points.get(name, (None,))[0] != size:
+        try:
+            state = disk._pending.get(name)
+            if state is None:
+                path = os.path.join(disk.directory, name)
+                meta = disk._read_header(path, full=True)[1]["__metadata__"]
+            else:
+                meta = state.metadata
+            points = _ring_points(meta)
+        except Exception:  # unreadable: none (a load would say why)
+            return 0
+        disk._points[name] = (size, points)
+    return max((p for p in disk._points[name][1] if p <= prefix), default=0)
+
+
+def _ring_points(metadata) -> frozenset:
+    """The positions where every ring of an entry (its file's ``metadata``)
+    has a checkpoint."""
+    found = {}
+    for i, p in json.loads(metadata.get("0.ring_checkpoints", "[]")):
+        found.setdefault(i, set()).add(p)
+    return frozenset(set.intersection(*found.values()) if found else ())

@@ -6,10 +6,10 @@ queues what memory stores (write-behind) and reads it back where upstream's
 ``LRUPromptCache`` has nothing."""
 
 import copy
-import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -1176,6 +1176,30 @@ def test_a_servers_tier_never_waits_for_the_weights_digest_and_keeps_it(
     tier.close()
 
     restarted = disk(tmp_path, digest_wait=False)
-    monkeypatch.setattr(hashlib, "file_digest", None)  # no file read again
+    module = sys.modules["mlx_lm.models.prompt_cache_dir"]
+    monkeypatch.setattr(module, "_file_digest", None)  # no file read again
     assert restarted.get(key, PROMPT + EXTRA)[1] == EXTRA
     restarted.close()
+
+
+def test_a_weights_digest_covers_every_byte_of_every_run(tmp_path):
+    """The weights' digest, hashed in runs on several threads, is the same
+    for the same bytes anywhere and changes with any byte flipped, in the
+    first run, across a run's edge or in the last, short one, and with the
+    length."""
+    from mlx_lm.models.prompt_cache_dir import _file_digest
+
+    data = bytearray(os.urandom(10_007))
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    seen = {_file_digest(str(a), 1000)}
+    assert _file_digest(str(b), 1000) in seen
+    for i in (0, 999, 1000, 5500, len(data) - 1):
+        data[i] ^= 1
+        b.write_bytes(data)
+        seen.add(_file_digest(str(b), 1000))
+        data[i] ^= 1
+    b.write_bytes(data + b"\0")
+    seen.add(_file_digest(str(b), 1000))
+    assert len(seen) == 7

@@ -11,10 +11,27 @@ import os
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List
 
 from .cache import PromptTrie
 from .prompt_cache_read import PromptCacheReader
+
+
+def _file_digest(path: str, chunk: int = 1 << 24) -> bytes:
+    """The SHA-256 of the SHA-256s of ``path``'s ``chunk``-byte runs, read
+    and hashed on up to 8 threads (both let go of the GIL): a model's 16 GB
+    took 14 s on one thread of an H200's host, and the disk tier is off
+    until its weights' digest is known."""
+
+    def run(start):
+        with open(path, "rb") as f:
+            f.seek(start)
+            return hashlib.sha256(f.read(chunk)).digest()
+
+    starts = range(0, max(os.path.getsize(path), 1), chunk)
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(starts))) as pool:
+        return hashlib.sha256(b"".join(pool.map(run, starts))).digest()
 
 
 class PromptCacheDir(PromptCacheReader):
@@ -169,8 +186,7 @@ class PromptCacheDir(PromptCacheReader):
                 h = hashlib.sha256()
                 for (name, path), st in zip(files, stats):
                     h.update(json.dumps([name, st[1]]).encode())
-                    with open(path, "rb") as f:
-                        h.update(hashlib.file_digest(f, "sha256").digest())
+                    h.update(_file_digest(path))
                 self._digests[key] = "sha256:" + h.hexdigest()[:32]
                 self._keep_digests()
         return self._digests[key]

@@ -44,10 +44,10 @@ token counts not given. ``--breakdown`` runs the patched sides at
 ``--log-level DEBUG`` and reports, per scenario, the median of each
 ``key=value`` of their ``timing:`` log lines (``timing_ms``), and of
 the hits' alone (``hits_timing_ms``: the turns after the first, the prompt
-again, the requests after the first sharing a system prompt). Servers' output goes to log
-files (``--logs``, else a temporary directory, printed); a side that fails
-records its error and the log's tail is printed. JSON on stdout, a table per
-scenario on stderr.
+again, the requests after the first sharing a system prompt). Servers'
+output goes to log files (``--logs``, else a temporary directory, printed);
+a side that fails records its error and the log's tail is printed. JSON on
+stdout, a table per scenario on stderr.
 
     python -m mlx_lm_patched.bench serve --shape 8b --runs 3
     python -m mlx_lm_patched.bench serve --shape tiny --scale 0.05 --reuse
@@ -379,7 +379,8 @@ def run_group(ctx, model, tmp, side, scenarios, name, results):
             result.update(log_figures(server.since(mark)))
             if server.hits is not None:  # the requests the scenario's TTFT is of
                 hits = log_figures(server.since(server.hits)).get("timing_ms")
-                result.update({"hits_timing_ms": hits} if hits else {})
+                if hits:
+                    result["hits_timing_ms"] = hits
             out.append(result)
     finally:
         server.stop()

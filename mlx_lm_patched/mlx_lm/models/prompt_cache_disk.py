@@ -84,10 +84,10 @@ class DiskPromptCache(PromptBlockDir):
     def put(self, model: Any, tokens: List[int], cache: List[Any]):
         """Queue ``cache``, the cache of ``tokens``, to be written, and return
         (its arrays scheduled here, copied for the writer, never waited
-        for on the calling thread); ``get`` serves it from now on. An entry written or queued already is left as it is; one
-        that would take the queue past ``queue_bytes`` (unless the queue is
-        empty) or is larger than ``max_bytes`` is dropped (warned, counted in
-        ``dropped``)."""
+        for on the calling thread); ``get`` serves it from now on. An entry
+        written or queued already is left as it is; one that would take the
+        queue past ``queue_bytes`` (unless the queue is empty) or is larger
+        than ``max_bytes`` is dropped (warned, counted in ``dropped``)."""
         if self._closed:
             raise ValueError("DiskPromptCache.put after close()")
         tokens = [int(t) for t in tokens]

@@ -93,8 +93,8 @@ def _disk_restore_point(disk, model, tokens, prefix):
     positions are kept (``disk._points``) while the file is the one indexed:
     an agent loop asks of the same entry every turn."""
     name = disk._name(model, tokens)
-    size = disk._files[name][3]  # 0 while queued
-    if disk._files[name][2] >= len(tokens) - prefix:
+    _, _, trimmable, size = disk._files[name]  # size: 0 while queued
+    if trimmable >= len(tokens) - prefix:
         return prefix
     if disk._points.get(name, (None,))[0] != size:
         try:

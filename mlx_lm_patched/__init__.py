@@ -45,6 +45,7 @@ from .prompt_cache import (
     prompt_cache_disk_blocks,
     prompt_cache_files,
     prompt_cache_store,
+    prompt_trie_search,
 )
 from .serving import (
     server_failures,
@@ -106,6 +107,7 @@ MODULES = (
     server_max_kv_size,  # server.py: --max-kv-size rings in _serve_single
     server_http,  # server.py: bursts, idle timeouts, a bounded stop
     server_models,  # server.py: /v1/models without a hub cache
+    prompt_trie_search,  # cache.py: PromptTrie.search in linear time
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

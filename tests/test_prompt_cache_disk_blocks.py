@@ -362,14 +362,15 @@ def another_layout(tier, d):
     os.truncate(path, 8 + n + (os.path.getsize(path) - 8 - n) // 2)
 
 
-def nan_resealed(tier, d):
-    """A block holding a NaN in its last array, its CRC-32 and manifest made
-    to match: a block file's floats are checked at once, not array by array."""
+def nan_resealed(tier, d, pick=lambda keys, header: keys[-1]):
+    """A block holding a NaN in its last array (or the one ``pick`` picks),
+    its CRC-32 and manifest made to match: a block file's floats are checked
+    at once, not array by array. Returns the array's key."""
     path = d / blocks(d)[0]
     raw = bytearray(path.read_bytes())
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + n])
-    key = sorted(k for k in header if k != "__metadata__")[-1]
+    key = pick(sorted(k for k in header if k != "__metadata__"), header)
     at = 8 + n + header[key]["data_offsets"][0] + 4 * 5
     raw[at : at + 4] = struct.pack("<f", float("nan"))
     path.write_bytes(bytes(raw))
@@ -382,6 +383,7 @@ def nan_resealed(tier, d):
         header["__metadata__"]["0.crc32"] = str(crc)
 
     reseal(tier, path, edit)
+    return key
 
 
 def block_replaced_by(kind):
@@ -544,3 +546,29 @@ def test_the_directory_never_holds_more_than_its_budget(replicas, tmp_path):
         sampler.join()
     assert 0 < peak[0] <= budget
     assert sum(t.written + t.dropped for t in tiers) == len(convs)
+
+
+def test_a_nan_among_a_quantized_blocks_packed_arrays_is_found_and_named(
+    tmp_path, caplog
+):
+    """A quantized layer's block file has its float scales and biases between
+    its packed uint32 arrays: they are checked together (one copy of the
+    floats, not one check an array), and the array holding a NaN is named."""
+    mx.random.seed(8)
+    tokens, cache = conversations(1, 200, 10)[0]
+    cache = [c.to_quantized(group_size=32, bits=4) for c in cache]
+    tier = DiskPromptCache(str(tmp_path))
+    tier.put("m", tokens, PromptBlocks().share("m", tokens, cache))
+    tier.flush()
+
+    def inner_float(keys, header):
+        dtypes = [header[k]["dtype"] for k in keys]
+        at = dtypes.index("F32")  # the first float, packed arrays after it
+        assert "U32" in dtypes[at:] and dtypes.count("F32") > 1
+        return keys[at]
+
+    key = nan_resealed(tier, tmp_path, inner_float)
+    tier.close()
+    with caplog.at_level(logging.WARNING):
+        assert DiskPromptCache(str(tmp_path)).get("m", tokens) is None
+    assert any(f"array {key} holds NaN" in r.getMessage() for r in caplog.records)

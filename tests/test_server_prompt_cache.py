@@ -1,6 +1,7 @@
 """The server's prompt cache is given --prompt-cache-bytes and logs its exact size."""
 
 import logging
+import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -208,12 +209,9 @@ def test_prompt_cache_mode_is_octal_and_the_owners(
     assert (directory.stat().st_mode & 0o777) == 0o750
 
 
-def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
-    patched, load_tiny, tmp_path, caplog
-):
-    """After a restart, the first fetch of a prompt reads it from disk; the
-    next is served from memory (it was read from disk every time), and the
-    log says which tier served it."""
+def restarted_on(load_tiny, directory):
+    """``(tier, key, tokens)``: a ``DiskLRUPromptCache`` restarted on
+    ``directory``, where one before it stored a 40-token prompt."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
@@ -221,21 +219,52 @@ def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
     cache = make_prompt_cache(model)
     model(mx.arange(40)[None], cache=cache)
     key, tokens = ("tiny", None, None), list(range(40))
-    before = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    before = DiskLRUPromptCache(DiskPromptCache(str(directory)))
     before.insert_cache(key, tokens, cache)
     before.disk.close()
+    return DiskLRUPromptCache(DiskPromptCache(str(directory))), key, tokens
 
-    restarted = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+
+def test_a_disk_hit_is_kept_in_memory_so_a_repeat_is_a_memory_hit(
+    patched, load_tiny, tmp_path, caplog
+):
+    """After a restart, the first fetch of a prompt reads it from disk; the
+    next is served from memory (it was read from disk every time), and the
+    log says which tier served it."""
+    restarted, key, tokens = restarted_on(load_tiny, tmp_path)
     with caplog.at_level(logging.INFO):
         for _ in range(2):
             fetched, rest = restarted.fetch_nearest_cache(key, tokens + [99])
             assert rest == [99] and fetched[0].offset == 40
     restarted.disk.close()
     tiers = [r.getMessage() for r in caplog.records if "Prompt cache" in r.getMessage()]
-    assert tiers == [
-        "Prompt cache disk hit: 40 of 41 tokens (memory had 0)",
-        "Prompt cache memory hit: 40 of 41 tokens",
-    ]
+    assert len(tiers) == 2 and tiers[1] == "Prompt cache memory hit: 40 of 41 tokens"
+    # What the restore read (the entry's file) and took: the cost model
+    # learns the read, the request waits for all of it
+    hit = re.fullmatch(
+        r"Prompt cache disk hit: 40 of 41 tokens \(memory had 0; "
+        r"read (\d+) B in ([\d.]+) s of ([\d.]+) s\)",
+        tiers[0],
+    )
+    files = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert hit and int(hit[1]) == files and float(hit[2]) <= float(hit[3])
+
+
+def test_a_restore_costs_the_cost_model_all_the_request_waited(
+    patched, load_tiny, tmp_path, monkeypatch
+):
+    """The read rate a restore teaches the cost model counts the whole disk
+    hit, from the lookup to the working cache (the memory tier's copy, the
+    working cache made), not the file's read alone."""
+    import time
+
+    restarted, key, tokens = restarted_on(load_tiny, tmp_path)
+    working = restarted._working
+    monkeypatch.setattr(restarted, "_working", lambda c: time.sleep(0.3) or working(c))
+    restarted.fetch_nearest_cache(key, tokens + [99])
+    read, seconds = restarted.disk.last_read
+    assert seconds < 0.3 and read / restarted.disk.read_rate >= 0.3
+    restarted.disk.close()
 
 
 def test_a_conversation_sent_again_is_not_tokenized_again(patched, make_tiny_dir):

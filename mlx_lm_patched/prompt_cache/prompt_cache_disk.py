@@ -49,7 +49,8 @@ saves (measured restores against measured prefills): on a GPU, a prefill can
 beat the disk (issue #27: 0.96 s of prefill against a 3.31 s restore of a
 16k-token Llama-8B-shape prefix). An entry served from disk is kept in
 memory too, so a repeat is a memory hit. Each fetch logs which tier served
-how many tokens (a disk hit, how many memory had).
+how many tokens (a disk hit: how many memory had, the bytes read and the
+seconds the cost model learns, of the seconds the fetch took).
 """
 
 from .._newmods import new_module

@@ -64,6 +64,7 @@ class DiskPromptCache(PromptBlockDir):
         # Entries put and not written: no room in the queue or in the budget,
         # or an error writing them (warned); and entries written.
         self.dropped = self.written = 0
+        self.last_read = None  # (bytes, seconds) of the last restore: get
         self._layouts = {}  # model key -> prompt_cache_layout of its own caches
         self._closed = self._given_up = False  # close(); its timeout ran out
         self._queue = queue.Queue()  # (name, state, bytes) of _pending, then None
@@ -279,7 +280,8 @@ class DiskPromptCache(PromptBlockDir):
                         f"layer {i} holds {offset} tokens, its header {len(entry[1])}"
                     )
             read = self._restore_bytes(entry[3], self._named_blocks(header))
-            self._observe(self._read, read, time.perf_counter() - start)
+            self.last_read = (read, time.perf_counter() - start)
+            self._observe(self._read, *self.last_read)
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
@@ -300,6 +302,7 @@ class DiskPromptCache(PromptBlockDir):
         trimmed back), if one saves any; ``None`` while the weights' digest
         is being read."""
         model = self._model_key(model, self.digest_wait)
+        self.last_read = None
         if model is None:
             return None
         while True:
@@ -399,7 +402,8 @@ class DiskLRUPromptCache(LRUPromptCache):
     ``m`` is read only if ``b / disk.read_rate < (n - m) / prefill_rate``
     (reading it takes less than prefilling what it saves), and of several
     the one that saves the most (a shorter one, or a longer one trimmed
-    back). ``disk.read_rate`` is measured by every restore; ``prefill_rate``
+    back). ``disk.read_rate`` is measured by every restore, from the lookup
+    to the working cache (all that the request waits for); ``prefill_rate``
     (tokens a second) by ``observe_prefill`` or, read when a prompt is
     fetched, ``prefill_counters`` (an object counting ``prompt_tokens`` and
     ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Both
@@ -430,6 +434,12 @@ class DiskLRUPromptCache(LRUPromptCache):
     def prefill_rate(self):
         """Tokens a second prefills took, the recent ones weighing most;
         ``None`` before one is measured."""
+        self._count_prefills()
+        return self._prefill[0] / self._prefill[1] if self._prefill[1] else None
+
+    def _count_prefills(self):
+        """Fold what ``prefill_counters`` counted since the last look into
+        the rate (and the rates the directory keeps)."""
         counters = self.prefill_counters
         if counters is not None:
             seen, tokens, seconds = self._counted
@@ -439,7 +449,6 @@ class DiskLRUPromptCache(LRUPromptCache):
             self._counted = now
             if now[2] > seconds:
                 self.observe_prefill(now[1] - tokens, now[2] - seconds)
-        return self._prefill[0] / self._prefill[1] if self._prefill[1] else None
 
     def observe_prefill(self, tokens: int, seconds: float):
         """Count ``tokens`` prefilled in ``seconds``."""
@@ -456,6 +465,7 @@ class DiskLRUPromptCache(LRUPromptCache):
             saves = (
                 None if rate is None else lambda n, b: (n - cached) / rate - b / read
             )
+            start = time.perf_counter()
             try:
                 self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached, saves)
@@ -468,11 +478,20 @@ class DiskLRUPromptCache(LRUPromptCache):
                 LRUPromptCache.insert_cache(self, model, tokens[:n], found[0])
                 cache, rest, tier = self._working(found[0]), found[1], "disk hit"
         n = len(tokens) - len(rest)
-        had = f" (memory had {cached})" if tier == "disk hit" else ""
+        had = ""
+        if tier == "disk hit":
+            took, read = time.perf_counter() - start, self.disk.last_read
+            if read is not None:  # the restore's cost is all the request waited
+                self.disk._read[1] += max(0.0, took - read[1])
+            read = "queued" if read is None else f"read {read[0]} B in {read[1]:.2f} s"
+            had = f" (memory had {cached}; {read} of {took:.2f} s)"
         logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")
         return cache, rest
 
     def insert_cache(self, model: Any, tokens: List[int], prompt_cache, **kwargs):
+        # The prefill that made it counts now, not at a next request that a
+        # stop may never see (a restart then knew no rate, restored anything)
+        self._count_prefills()
         # What the disk tier serves this model must look like its own caches.
         try:
             self.disk.learn(model, prompt_cache)

@@ -103,9 +103,10 @@ class PromptCacheReader:
         ``read_chunk`` bytes, across arrays, into one preallocated numpy
         buffer (a block file of 64 arrays is one read), and CRC-32 each run
         (zlib releases the GIL). Each float array is checked to have no
-        exponent all ones (NaN or infinite), a file of one float dtype
-        without ``each`` (a block file) at once. Raises ``ValueError`` where one
-        has and, once all are read, where the CRC-32 is not the header's
+        exponent all ones (NaN or infinite); in a sealed file read without
+        ``each`` (a block file) the arrays of each dtype at once. Raises
+        ``ValueError`` where one has and, once all are read, where the
+        CRC-32 is not the header's
         (``_seal``'s: the arrays' bytes in sorted key order, which is file
         order in the files ``_seal`` writes; others are CRC'd per array)."""
         from concurrent.futures import ThreadPoolExecutor, wait
@@ -160,9 +161,9 @@ class PromptCacheReader:
                 if (bits & exponent).max(initial=0) == exponent:
                     raise ValueError(f"array {k} holds NaN or infinite values")
 
-        # Arrays of one dtype back to back (a block file): checked at once.
-        dtypes = {header[k]["dtype"] for k in keys}
-        at_once = sealed and each is None and len(dtypes) == 1
+        # A block file's arrays of each dtype checked at once (a quantized
+        # layer's scales and biases lie between its packed arrays: joined).
+        at_once = sealed and each is None
         try:
             run, crc = 0, 0
             for k in order:
@@ -174,11 +175,19 @@ class PromptCacheReader:
                     check(k, start, stop)
                 if each is not None:
                     each(k, data[start:stop])
-            if at_once and keys:
-                try:
-                    check(keys[0], 0, size)
-                except ValueError:  # the array that holds it
-                    for k in keys:
+            for dtype in sorted({header[k]["dtype"] for k in keys}) if at_once else ():
+                exponent = floats.get(dtype)
+                group = [k for k in keys if header[k]["dtype"] == dtype]
+                if exponent is None:
+                    continue
+                parts = [data[spans[k][0] : spans[k][1]] for k in group]
+                start, stop = spans[group[0]][0], spans[group[-1]][1]
+                if stop - start == sum(len(x) for x in parts):  # back to back
+                    bits = data[start:stop].view(exponent.dtype)
+                else:
+                    bits = np.concatenate(parts).view(exponent.dtype)
+                if (bits & exponent).max(initial=0) == exponent:
+                    for k in group:  # the array that holds it
                         check(k, *spans[k])
         finally:  # on any error, no thread reads ``fd`` once this returns
             for _, _, part in runs:

@@ -310,3 +310,42 @@ def test_a_conversation_sent_again_is_not_tokenized_again(patched, make_tiny_dir
     other, other_calls, _ = tokenizer()
     tokenize(other, chat)
     assert len(other_calls) == 2
+
+
+def test_a_requests_segment_caches_are_stored_after_its_first_token(
+    patched, make_tiny_dir, caplog
+):
+    """The system prompt's cache (a segment ends within the prompt) is
+    stored once the request's first token is out, not between its prompt's
+    chunks: the first token's timing holds no insert, the store's does."""
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
+    from ringref import cli_args, generation_args
+
+    types = []
+
+    class Recording(LRUPromptCache):
+        def insert_cache(self, model, tokens, cache, *, cache_type="assistant"):
+            types.append(cache_type)
+            super().insert_cache(model, tokens, cache, cache_type=cache_type)
+
+    provider = ModelProvider(cli_args(make_tiny_dir("llama")))
+    generator = ResponseGenerator(provider, Recording())
+    chat = [
+        {"role": "system", "content": "You answer in one word. " * 20},
+        {"role": "user", "content": "Why?"},
+    ]
+    try:
+        with caplog.at_level(logging.DEBUG):
+            request = CompletionRequest("chat", "", chat, None, None)
+            _, responses = generator.generate(request, generation_args(3))
+            assert len([r.token for r in responses]) == 3
+            generator.stop_and_join()
+    finally:
+        generator.stop_and_join()
+    lines = [r.getMessage() for r in caplog.records]
+    first = next(x for x in lines if "timing:" in x and "first_token=" in x)
+    store = next(x for x in lines if "timing:" in x and "store=" in x)
+    assert types == ["system", "user", "assistant"]
+    assert "segments" not in first
+    assert float(re.search(r"segments=([\d.]+)ms", store)[1]) > 0

@@ -57,9 +57,9 @@ def prompt_cache_dir(x: str, mode: int = 0o600) -> str:
 
 def log_timing(timing, phase):
     """Log a request's breakdown at DEBUG: the milliseconds each phase took
-    (``first_token``: from joining the batch, ``segments`` the inserts at
-    its segments' ends within it; ``store``: its entry's insert once
-    answered), each phase logged once."""
+    (``first_token``: from joining the batch; ``store``: its entry's insert
+    once answered, and ``segments`` the inserts of its prompt's segment
+    caches, made after its first token), each phase logged once."""
     if phase in timing:
         return
     timing[phase] = time.perf_counter()
@@ -71,6 +71,6 @@ def log_timing(timing, phase):
     parts = " ".join(
         f"{k}={(timing[k] - timing[b]) * 1e3:.1f}ms" for k, b in zip(steps, before)
     )
-    if phase == "first_token":  # of which the inserts at segment ends
+    if phase == "store":  # and the inserts at its segments' ends
         parts += f" segments={timing.get('segments', 0.0) * 1e3:.1f}ms"
     logging.debug(f"prompt-cache timing: {parts}")

@@ -115,9 +115,10 @@ class ResponseGenerator:
 
 
 # ResponseGenerator._generate: the budget after every batch step, each
-# request's timings, the disk tier's prefill counters.
+# request's timings, the disk tier's prefill counters, its segments' caches
+# stored after its first token.
 _GENERATE = """\
-@@ -23,2 +23,9 @@
+@@ -23,2 +23,19 @@
              return self._next_request(timeout)
  
 +    def hold_prompt_cache_bytes():
@@ -127,21 +128,31 @@ _GENERATE = """\
 +            active = batch_generator.prompt_cache_nbytes
 +            self.prompt_cache.trim_to(n_bytes=total - active)
 +
-@@ -53,2 +60,3 @@
++    def store_segments(result):
++        # A request's segment caches, stored once its first token is out
++        for key, tokens, cache, cache_type in result.pop("segments", ()):
++            at = time.perf_counter()
++            self.prompt_cache.insert_cache(key, tokens, cache, cache_type=cache_type)
++            timing = result["timing"]
++            timing["segments"] = timing.get("segments", 0.0) + (
++                time.perf_counter() - at
++            )
++
+@@ -53,2 +70,3 @@
              ):
 +                timing = {"start": time.perf_counter()}
                  try:
-@@ -56,4 +64,5 @@
+@@ -56,4 +74,5 @@
                          self._tokenize(current_tokenizer, request, args)
                      )
 +                    timing["tokenize"] = time.perf_counter()
                  except Exception as e:
                      rqueue.put(e)
-@@ -68,2 +77,3 @@
+@@ -68,2 +87,3 @@
                  self._log_cache_stats()
 +                timing["prepare"] = time.perf_counter()
                  cache, rest = self.prompt_cache.fetch_nearest_cache(
-@@ -71,2 +81,10 @@
+@@ -71,2 +91,10 @@
                  )
 +                if cache is None:  # rings with the server's slack, checkpoints
 +                    cache = make_prompt_cache(
@@ -152,13 +163,13 @@ _GENERATE = """\
 +                    )
 +                timing["fetch"] = time.perf_counter()
                  prompt_cache_count = len(prompt) - len(rest)
-@@ -107,3 +118,5 @@
+@@ -107,3 +135,5 @@
                      "top_logprobs": args.top_logprobs,
 +                    "timing": timing,
                  }
 +                timing["insert"] = time.perf_counter()
                  # just making sure we don't leave a reference around
-@@ -111,6 +124,3 @@
+@@ -111,6 +141,3 @@
  
 -                if self.model_provider.cli_args.prompt_cache_bytes is not None:
 -                    total = self.model_provider.cli_args.prompt_cache_bytes
@@ -166,42 +177,56 @@ _GENERATE = """\
 -                    self.prompt_cache.trim_to(n_bytes=total - active)
 +                hold_prompt_cache_bytes()
                  continue
-@@ -147,2 +157,5 @@
+@@ -147,2 +174,5 @@
                  )
 +                # The disk tier's cost model reads how fast it prefills.
 +                if hasattr(self.prompt_cache, "prefill_counters"):
 +                    self.prompt_cache.prefill_counters = batch_generator._counters
                  unprocessed_requests.append((rqueue, request, args))
-@@ -192,2 +205,4 @@
+@@ -192,7 +222,10 @@
                  for uid, (cache, cache_key) in caches.items():
-+                    timing = batch_results[uid]["timing"]
-+                    at = time.perf_counter()
-                     self.prompt_cache.insert_cache(
-@@ -198,2 +213,5 @@
-+                    )
-+                    timing["segments"] = timing.get("segments", 0.0) + (
-+                        time.perf_counter() - at
+-                    self.prompt_cache.insert_cache(
+-                        self.model_provider.model_key,
+-                        cache_key[:],
+-                        cache,
+-                        cache_type=batch_results[uid]["segment_types"].pop(),
++                    # Stored after the first token: the prompt goes on first
++                    batch_results[uid].setdefault("segments", []).append(
++                        (
++                            self.model_provider.model_key,
++                            cache_key[:],
++                            cache,
++                            batch_results[uid]["segment_types"].pop(),
++                        )
                      )
-                 del caches
-@@ -202,2 +220,3 @@
+@@ -202,2 +235,3 @@
                      result = batch_results[r.uid]
 +                    log_timing(result["timing"], "first_token")
  
-@@ -231,2 +250,3 @@
+@@ -228,2 +262,3 @@
+                     )
++                    store_segments(result)
+ 
+@@ -231,2 +266,3 @@
                          result["rqueue"].put(None)
 +                        result["timing"]["done"] = time.perf_counter()
                          self.prompt_cache.insert_cache(
-@@ -237,2 +257,3 @@
+@@ -237,2 +273,3 @@
                          )
 +                        log_timing(result["timing"], "store")
                          del batch_results[r.uid]
-@@ -240,4 +261,6 @@
+@@ -240,4 +277,6 @@
                      if result["ctx"]._should_stop:
                          uids_to_remove.append(r.uid)
  
 +                hold_prompt_cache_bytes()
 +
              uids_to_remove = self._share_object(uids_to_remove)
+@@ -248,3 +287,3 @@
+                     # generation
+-                    batch_results.pop(uid, None)
++                    store_segments(batch_results.pop(uid, {}))
+ 
 """
 
 

@@ -222,11 +222,14 @@ _GENERATE = """\
 +                hold_prompt_cache_bytes()
 +
              uids_to_remove = self._share_object(uids_to_remove)
-@@ -248,3 +287,3 @@
+@@ -248,3 +287,6 @@
                      # generation
 -                    batch_results.pop(uid, None)
 +                    store_segments(batch_results.pop(uid, {}))
  
++    for result in batch_results.values():  # stopped: their segments kept
++        store_segments(result)
++
 """
 
 

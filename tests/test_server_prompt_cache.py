@@ -335,14 +335,13 @@ def test_a_requests_segment_caches_are_stored_after_its_first_token(
         {"role": "system", "content": "You answer in one word. " * 20},
         {"role": "user", "content": "Why?"},
     ]
-    try:
-        with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG):
+        try:
             request = CompletionRequest("chat", "", chat, None, None)
             _, responses = generator.generate(request, generation_args(3))
             assert len([r.token for r in responses]) == 3
-            generator.stop_and_join()
-    finally:
-        generator.stop_and_join()
+        finally:
+            generator.stop_and_join()  # its store line logged by then
     lines = [r.getMessage() for r in caplog.records]
     first = next(x for x in lines if "timing:" in x and "first_token=" in x)
     store = next(x for x in lines if "timing:" in x and "store=" in x)

@@ -154,12 +154,13 @@ class PromptCacheReader:
             for i in range(0, size, step)
         ]
 
+        def finite(raw, exponent):  # bytes of floats: no exponent all ones
+            return (raw.view(exponent.dtype) & exponent).max(initial=0) != exponent
+
         def check(k, start, stop):
             exponent = floats.get(header[k]["dtype"])
-            if exponent is not None:
-                bits = data[start:stop].view(exponent.dtype)
-                if (bits & exponent).max(initial=0) == exponent:
-                    raise ValueError(f"array {k} holds NaN or infinite values")
+            if exponent is not None and not finite(data[start:stop], exponent):
+                raise ValueError(f"array {k} holds NaN or infinite values")
 
         # A block file's arrays of each dtype checked at once (a quantized
         # layer's scales and biases lie between its packed arrays: joined).
@@ -175,18 +176,14 @@ class PromptCacheReader:
                     check(k, start, stop)
                 if each is not None:
                     each(k, data[start:stop])
-            for dtype in sorted({header[k]["dtype"] for k in keys}) if at_once else ():
-                exponent = floats.get(dtype)
+            dtypes = {header[k]["dtype"] for k in keys} & floats.keys()
+            for dtype in sorted(dtypes) if at_once else ():
                 group = [k for k in keys if header[k]["dtype"] == dtype]
-                if exponent is None:
-                    continue
                 parts = [data[spans[k][0] : spans[k][1]] for k in group]
                 start, stop = spans[group[0]][0], spans[group[-1]][1]
-                if stop - start == sum(len(x) for x in parts):  # back to back
-                    bits = data[start:stop].view(exponent.dtype)
-                else:
-                    bits = np.concatenate(parts).view(exponent.dtype)
-                if (bits & exponent).max(initial=0) == exponent:
+                back_to_back = stop - start == sum(len(x) for x in parts)
+                raw = data[start:stop] if back_to_back else np.concatenate(parts)
+                if not finite(raw, floats[dtype]):
                     for k in group:  # the array that holds it
                         check(k, *spans[k])
         finally:  # on any error, no thread reads ``fd`` once this returns

@@ -549,10 +549,13 @@ def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
             r.get("prompt_tokens") for r in by_side.values() if "skipped" not in r
         }
         assert len(counts) == 1 and counts.pop() > 0
-    # A disk hit after SIGTERM and after kill -9, each restart a new process.
+    # After SIGTERM and after kill -9 a new process served all but the last
+    # token of the prompt: from the disk; each had answered a short prompt
+    # first (the model's load).
     restart = out["scenarios"]["restart"]["patched-dir"]
-    assert restart["cached_sigterm"] > 0 and restart["cached_kill9"] > 0
-    assert restart["tiers"]["disk hit"] == 2
+    whole = restart["prompt_tokens"] - 1
+    assert restart["cached_sigterm"] >= whole and restart["cached_kill9"] >= whole
+    assert restart["tiers"]["disk hit"] >= 2 and len(restart["ttft_load_s"]) == 3
     assert out["scenarios"]["concurrent"]["patched"]["prompt_cache_bytes"] > 0
 
 

@@ -27,7 +27,9 @@ reply; ``cached_tokens`` is what the server reports in
   restart     a ``--long``-token prompt cold, SIGTERM, a restart, the
               prompt again (a disk hit); a second prompt, its files
               written, kill -9, a restart, that prompt again (sides with
-              a prompt-cache directory only)
+              a prompt-cache directory only); each server answers a
+              32-token prompt first, so no TTFT but that one's
+              (``ttft_load_s``) waits for the model's load
   concurrent  ``--concurrent`` agent loops of ``--concurrent-turns`` turns
               at once, sharing a ``--system``-token system prompt: wall
               time, TTFT p50 and p95 over all turns, prompt-cache bytes
@@ -258,9 +260,16 @@ def restart(ctx, server):
     text, directory = ctx.prompts.text, server.cache_dir
     first = [{"role": "user", "content": text(ctx.args.long, "restart-a")}]
     second = [{"role": "user", "content": text(ctx.args.long, "restart-b")}]
+
+    def load(i):  # a new raw prompt (no chat template) first: only it waits
+        body = {"prompt": text(32, f"restart-load{i}"), "max_tokens": 1}
+        return stream(server.port, "/v1/completions", body, ctx.args.timeout)
+
+    loaded = [load(0)]
     cold = ask(ctx, server, first)
     server.stop(signal.SIGTERM)
     start_sigterm = server.start()
+    loaded.append(load(1))
     hit = ask(ctx, server, first)
     wait_written(directory, None, ctx.args.settle)
     before = snapshot(directory)
@@ -268,6 +277,7 @@ def restart(ctx, server):
     written = wait_written(directory, before, ctx.args.settle)
     server.stop(signal.SIGKILL)
     start_kill9 = server.start()
+    loaded.append(load(2))
     hit_b = ask(ctx, server, second)
     return {
         "prompt_tokens": cold["prompt_tokens"],
@@ -280,6 +290,7 @@ def restart(ctx, server):
         "written_before_kill9": written,
         "start_sigterm_s": start_sigterm,
         "start_kill9_s": start_kill9,
+        "ttft_load_s": [x["ttft_s"] for x in loaded],
     }
 
 

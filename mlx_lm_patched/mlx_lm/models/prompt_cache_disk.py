@@ -239,7 +239,10 @@ class DiskPromptCache(PromptBlockDir):
         state = self._pending.get(name)
         if state is None:
             return None
-        found = {n: self._views(b.host()) for n, b in state.blocks.items()}
+        found = {}  # key -> its blocks' arrays, in order
+        for block in state.blocks.values():
+            for k, x in self._views(block.host()).items():
+                found.setdefault(k, []).append(x)
         arrays = self._join(self._views(state), state.metadata, found)
         return _prompt_cache_from_arrays(arrays, state.metadata, name)[0]
 

@@ -247,13 +247,6 @@ class PromptBlockDir(PromptCacheDir):
         size = getattr(mx, self.dtypes[spec["dtype"]]).size
         return data.view(f"<u{size}").reshape(spec["shape"])
 
-    def _slice(self, data, spec: dict):
-        """The array of header ``spec`` in ``data`` (a file's data, MLX
-        bytes): a view of its ``data_offsets``."""
-        start, stop = spec["data_offsets"]
-        dtype = getattr(mx, self.dtypes[spec["dtype"]])
-        return data[start:stop].view(dtype).reshape(spec["shape"])
-
     @staticmethod
     def _views(state):
         """A queued entry's or block's arrays (``HostPromptCache``), each
@@ -262,23 +255,17 @@ class PromptBlockDir(PromptCacheDir):
             k: a.view(getattr(mx, state.dtypes[k])) for k, a in state.arrays.items()
         }
 
-    def _join(self, arrays: dict, metadata: dict, found: Dict[str, dict]):
+    def _join(self, arrays: dict, metadata: dict, found: Dict[str, list]):
         """``arrays`` (an entry's, its shared layers' tails) with each shared
         layer's blocks before its tail (none without ``0.blocks`` in its
-        ``metadata``); ``found``: block file name -> its arrays."""
+        ``metadata``); ``found``: key -> its blocks' arrays in order (a
+        run of blocks may be one array)."""
         if "0.blocks" not in metadata:
             return arrays
-        blocks = json.loads(metadata["0.blocks"])
-        files, out = blocks["files"], dict(arrays)
-
-        keys = [
-            (f"{i}.{s}", blocks["layers"][i])
-            for i, suffixes in self._shared_keys(arrays, blocks["layers"]).items()
-            for s in suffixes
-        ]
-        for k, n in keys:  # on the device, one copy
-            parts = [found[files[j]][k] for j in range(n)]
-            out[k] = mx.concatenate([*parts, arrays[k]], axis=2)
+        layers, out = json.loads(metadata["0.blocks"])["layers"], dict(arrays)
+        for i, suffixes in self._shared_keys(arrays, layers).items():
+            for k in (f"{i}.{s}" for s in suffixes):  # on the device, one copy
+                out[k] = mx.concatenate([*found[k], arrays[k]], axis=2)
         return out
 
     def _with_blocks(self, entry: tuple, header: dict, arrays: dict):
@@ -359,13 +346,31 @@ class PromptBlockDir(PromptCacheDir):
                 os.close(fd)
             return name, got, data
 
-        found = {}  # views of each file's data, copied to MLX whole
-        for name, got, data in self._block_threads().map(lambda x: read(*x), want):
-            data = mx.array(data)  # while the threads read the next
-            found[name] = {
-                k: self._slice(data, v) for k, v in got.items() if k != "__metadata__"
-            }
+        found, run = {}, (None, [])  # run: blocks of one layout, their data
+        for _, got, data in self._block_threads().map(lambda x: read(*x), want):
+            del got["__metadata__"]
+            if got != run[0]:
+                self._add_run(found, *run)
+                run = (got, [])
+            run[1].append(mx.array(data))  # while the threads read the next
+        self._add_run(found, *run)
         return found
+
+    def _add_run(self, found: Dict[str, list], specs: dict, data: list):
+        """Append to ``found`` (key -> arrays in block order) each array of
+        ``specs`` (a block file's header, the same in each block of the
+        run) across the run's ``data`` (each block file's, MLX bytes), one
+        array per key: a few operations a key, not a few per block."""
+        if not data:
+            return
+        data = mx.stack(data)
+        for k, v in specs.items():
+            start, stop = v["data_offsets"]
+            shape, dtype = v["shape"], getattr(mx, self.dtypes[v["dtype"]])
+            x = data[:, start:stop].reshape(len(data), *shape[:3], -1)
+            x = x.transpose(1, 2, 0, 3, 4).reshape(*shape[:2], -1, x.shape[-1])
+            x = x.view(dtype).reshape(*shape[:2], -1, *shape[3:])
+            found.setdefault(k, []).append(x)
 
     def _block_threads(self):
         """The threads reading block files and joining them."""

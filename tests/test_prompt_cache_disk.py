@@ -177,8 +177,11 @@ def test_what_is_written_is_the_cache_as_put_while_the_caller_goes_on(
     assert [f for f in files(tmp_path) if not f.endswith(".safetensors")] == []
 
 
-def test_budget_drops_the_least_recently_used_files(load_tiny, tmp_path):
+def test_budget_drops_the_least_recently_used_files(load_tiny, tmp_path, monkeypatch):
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
+
     model, _ = load_tiny("llama")
+    monkeypatch.setattr(DiskPromptCache, "read_min_bytes", 0)  # rates written
     a, b, c = ([t] + PROMPT[:200] for t in (1, 2, 4))
     one = written(tmp_path / "one", (a, prefilled(model, a))).nbytes
     tmp_path = tmp_path / "tier"

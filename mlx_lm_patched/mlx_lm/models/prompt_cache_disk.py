@@ -284,7 +284,8 @@ class DiskPromptCache(PromptBlockDir):
                     )
             read = self._restore_bytes(entry[3], self._named_blocks(header))
             self.last_read = (read, time.perf_counter() - start)
-            self._observe(self._read, *self.last_read)
+            if read >= self.read_min_bytes:
+                self._observe(self._read, *self.last_read)
             return cache
         except Exception as e:
             logging.warning(f"[prompt cache] skipping {path}: {e!r}")
@@ -405,8 +406,9 @@ class DiskLRUPromptCache(LRUPromptCache):
     ``m`` is read only if ``b / disk.read_rate < (n - m) / prefill_rate``
     (reading it takes less than prefilling what it saves), and of several
     the one that saves the most (a shorter one, or a longer one trimmed
-    back). ``disk.read_rate`` is measured by every restore, from the lookup
-    to the working cache (all that the request waits for); ``prefill_rate``
+    back). ``disk.read_rate`` is measured by every restore of
+    ``read_min_bytes`` or more, from the lookup to the working cache (all
+    that the request waits for); ``prefill_rate``
     (tokens a second) by ``observe_prefill`` or, read when a prompt is
     fetched, ``prefill_counters`` (an object counting ``prompt_tokens`` and
     ``prompt_time``: a ``BatchGenerator``'s, which the server sets). Both
@@ -484,8 +486,8 @@ class DiskLRUPromptCache(LRUPromptCache):
         had = ""
         if tier == "disk hit":
             took, read = time.perf_counter() - start, self.disk.last_read
-            if read is not None:  # the restore's cost is all the request waited
-                self.disk._read[1] += max(0.0, took - read[1])
+            if read is not None and read[0] >= self.disk.read_min_bytes:
+                self.disk._read[1] += max(0.0, took - read[1])  # all it waited
             read = "queued" if read is None else f"read {read[0]} B in {read[1]:.2f} s"
             had = f" (memory had {cached}; {read} of {took:.2f} s)"
         logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")

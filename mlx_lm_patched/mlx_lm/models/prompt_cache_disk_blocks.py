@@ -302,6 +302,15 @@ class PromptBlockDir(PromptCacheDir):
         want = self._block_names(model, tokens, size, counts)
         if [name for name, _, _ in want] != files:
             raise ValueError("it names block files its model, tokens and layers do not")
+        layouts = {}  # id of a held list -> its JSON, its arrays' dtypes and shapes
+        for _, held, _ in want:
+            if id(held) not in layouts:
+                arrays = {
+                    f"{i}.{s}": [v["dtype"], v["shape"][:2] + [size] + v["shape"][3:]]
+                    for i, _ in held
+                    for s, v in specs[str(i)].items()
+                }
+                layouts[id(held)] = (json.dumps(held), arrays)
 
         def read(name, held, digest):
             path, st = os.path.join(self.directory, name), None
@@ -322,21 +331,19 @@ class PromptBlockDir(PromptCacheDir):
             try:
                 st = os.fstat(fd)
                 got, _ = self._safetensors_header(fd)
-                m = got["__metadata__"]
+                m, (text, arrays) = got["__metadata__"], layouts[id(held)]
                 if [m.get("0.model"), m.get("0.layers"), m.get("0.chain")] != [
                     model,
-                    json.dumps(held),
+                    text,
                     digest,
                 ]:
                     raise ValueError(f"its block {name} holds another block")
-                for i, _ in held:
-                    for s, v in specs[str(i)].items():
-                        shape = v["shape"][:2] + [size] + v["shape"][3:]
-                        g = got.get(f"{i}.{s}") or {}
-                        if [g.get("dtype"), g.get("shape")] != [v["dtype"], shape]:
-                            raise ValueError(f"its block {name} is not its layout")
-                if len(got) - 1 != sum(len(specs[str(i)]) for i, _ in held):
-                    raise ValueError(f"its block {name} holds other arrays")
+                if arrays != {
+                    k: [g["dtype"], g["shape"]]
+                    for k, g in got.items()
+                    if k != "__metadata__"
+                }:
+                    raise ValueError(f"its block {name} is not its layout")
                 data = self._read_arrays(fd, got)
             except (OSError, ValueError) as e:  # unsound: removed, written again
                 if getattr(e, "errno", None) in (None, *self.unreadable):

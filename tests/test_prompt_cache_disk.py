@@ -983,9 +983,12 @@ def test_prefill_rate_is_read_from_a_batch_generators_counters(tmp_path):
     counters.prompt_tokens, counters.prompt_time = 4000, 3.0
     assert lru.prefill_rate == (3000 / 2 + 1000) / (2.0 / 2 + 1.0)
     lru.prefill_counters = BatchCounters()  # a new generator counts from 0
-    lru.prefill_counters.prompt_tokens, lru.prefill_counters.prompt_time = 10, 1.0
-    assert lru.prefill_rate == (2500 / 2 + 10) / (2.0 / 2 + 1.0)
-    assert lru.prefill_rate == 630  # read once: nothing counted twice
+    lru.prefill_counters.prompt_tokens, lru.prefill_counters.prompt_time = 260, 1.0
+    assert lru.prefill_rate == (2500 / 2 + 260) / (2.0 / 2 + 1.0)
+    assert lru.prefill_rate == 755  # read once: nothing counted twice
+    # A short prefill teaches it nothing: its fixed costs are not a rate
+    lru.prefill_counters.prompt_tokens, lru.prefill_counters.prompt_time = 290, 2.0
+    assert lru.prefill_rate == 755
 
 
 def test_a_prefill_counts_when_its_cache_is_stored(load_tiny, tmp_path):

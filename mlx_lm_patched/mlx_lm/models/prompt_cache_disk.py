@@ -417,6 +417,11 @@ class DiskLRUPromptCache(LRUPromptCache):
     restored.
     """
 
+    # Tokens under which a prefill teaches ``prefill_rate`` nothing: its
+    # fixed costs (a request's, a new shape's kernels) would make a long
+    # prompt look slower to prefill than it is, and its entry be restored.
+    prefill_min_tokens = 256
+
     def __init__(
         self,
         disk: "DiskPromptCache",
@@ -456,8 +461,9 @@ class DiskLRUPromptCache(LRUPromptCache):
                 self.observe_prefill(now[1] - tokens, now[2] - seconds)
 
     def observe_prefill(self, tokens: int, seconds: float):
-        """Count ``tokens`` prefilled in ``seconds``."""
-        if tokens > 0 and seconds > 0:
+        """Count ``tokens`` prefilled in ``seconds``, if at least
+        ``prefill_min_tokens``."""
+        if tokens >= self.prefill_min_tokens and seconds > 0:
             self.disk._observe(self._prefill, tokens, seconds)
             self.disk._keep_rates(self._prefill)
 

@@ -475,6 +475,36 @@ def test_a_crafted_header_named_by_its_hash_is_skipped_not_raised(
     assert tier.get(MODEL, PROMPT[:90] + EXTRA) is None
 
 
+ARRAY_ENTRIES = {
+    "an array entry a list": lambda v: [v["dtype"], v["shape"]],
+    "a dimension a float": lambda v: {**v, "shape": [float(d) for d in v["shape"]]},
+    "a dimension negative": lambda v: {**v, "shape": [-1] + v["shape"][1:]},
+    "an offset a bool": lambda v: {**v, "data_offsets": [False, 1]},
+    "an unknown dtype": lambda v: {**v, "dtype": "C64"},
+}
+
+
+@pytest.mark.parametrize("case", list(ARRAY_ENTRIES))
+def test_a_crafted_array_entry_is_a_value_error_naming_it(
+    case, load_tiny, tmp_path, caplog
+):
+    """Each array's entry in a resealed header is checked for its kind
+    before it is used: a ``ValueError`` naming the array, never another
+    exception (a list in place of a dict raised ``AttributeError``)."""
+    model, _ = load_tiny("llama")
+    path = one_entry(model, tmp_path)
+    header, body = read_header(path)
+    header["0.0"] = ARRAY_ENTRIES[case](header["0.0"])
+    path = write_header(path, header, body, reseal=True)
+    caplog.set_level(logging.WARNING)
+
+    tier = disk(tmp_path)
+
+    assert len(tier) == 0
+    why = "ValueError(\"array '0.0' has a malformed dtype, shape or offsets\")"
+    assert f"skipping {path}: {why}" in caplog.text
+
+
 def test_fifos_links_and_huge_headers_are_never_opened_or_read_whole(
     load_tiny, tmp_path, caplog
 ):

@@ -526,10 +526,16 @@ def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
     sides = ["upstream", "patched", "patched-dir"]
     argv = "--shape tiny --scale 0.03 --reply 8 --turns 3 --shared-requests 3 "
     argv += "--concurrent 3 --concurrent-turns 2 --reuse --breakdown --settle 0.3 "
+    argv += "--warmup "
     argv += f"--sides {','.join(sides)} --logs {tmp_path} --out {tmp_path / 'o.json'}"
     out = serve.main(argv.split())
     assert json.loads((tmp_path / "o.json").read_text()) == out
     assert list(out)[:5] == HEADER and out["endpoint"] == "chat"
+    # Each side's warm-up server answered before the runs
+    warm = out["warmup_ttft_s"]
+    assert list(warm) == sides and all(
+        isinstance(t, float) and t > 0 for t in warm.values()
+    )
     assert set(out["scenarios"]) == set(serve.SCENARIOS)
     for name, by_side in out["scenarios"].items():
         assert list(by_side) == sides

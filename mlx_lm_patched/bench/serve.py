@@ -35,21 +35,23 @@ reply; ``cached_tokens`` is what the server reports in
               time, TTFT p50 and p95 over all turns, prompt-cache bytes
               (the last the server logged)
 
-Sides: ``upstream`` (``python -m mlx_lm.server``), ``patched``
-(``python -m mlx_lm_patched.server``), with ``-dir`` (``--prompt-cache-dir``,
-a temporary directory), ``-bits8`` / ``-bits4`` (``--prompt-cache-bits``),
-combinable (``patched-dir-bits4``). Each scenario runs on fresh servers
-(``--reuse``: one server per side and run for all scenarios, each scenario
-with texts of its own), one side after another, the order reversed every
-other run; ``--runs`` R gives medians of R runs. ``--scale`` multiplies the
-token counts not given. ``--breakdown`` runs the patched sides at
-``--log-level DEBUG`` and reports, per scenario, the median of each
-``key=value`` of their ``timing:`` log lines (``timing_ms``), and of
-the hits' alone (``hits_timing_ms``: the turns after the first, the prompt
-again, the requests after the first sharing a system prompt). Servers'
-output goes to log files (``--logs``, else a temporary directory, printed);
-a side that fails records its error and the log's tail is printed. JSON on
-stdout, a table per scenario on stderr.
+Sides: ``upstream`` (``python -m mlx_lm.server``), ``patched`` (``python -m
+mlx_lm_patched.server``), with ``-dir`` (``--prompt-cache-dir``, a temporary
+directory), ``-bits8`` / ``-bits4`` (``--prompt-cache-bits``), combinable
+(``patched-dir-bits4``). Each scenario runs on fresh servers (``--reuse``:
+one server per side and run for all scenarios, each scenario with texts of
+its own), one side after another, the order reversed every other run;
+``--runs`` R gives medians of R runs. With ``--warmup`` each side first
+starts a server that answers one prompt and stops, so the first side's first
+request does not pay the machine's kernel builds (MLX's PTX cache) for the
+others. ``--scale`` multiplies the token counts not given. ``--breakdown``
+runs the patched sides at ``--log-level DEBUG`` and reports, per scenario,
+the median of each ``key=value`` of their ``timing:`` log lines
+(``timing_ms``), and of the hits' alone (``hits_timing_ms``: the turns after
+the first, the prompt again, the requests after the first sharing a system
+prompt). Servers' output goes to log files (``--logs``, else a temporary
+directory, printed); a side that fails records its error and the log's tail
+is printed. JSON on stdout, a table per scenario on stderr.
 
     python -m mlx_lm_patched.bench serve --shape 8b --runs 3
     python -m mlx_lm_patched.bench serve --shape tiny --scale 0.05 --reuse
@@ -399,6 +401,24 @@ def run_group(ctx, model, tmp, side, scenarios, name, results):
             shutil.rmtree(server.cache_dir, ignore_errors=True)
 
 
+def warmup(ctx, model, tmp, side):
+    """A server of ``side`` that answers one ``--system``-token prompt and
+    stops: MLX's kernels built (its PTX cache) and the weights read before
+    any side's first request is timed, whichever side runs first. Its
+    TTFT, or its error."""
+    server = make_server(ctx.args, model, side, tmp, f"{side}-warmup")
+    text = ctx.prompts.text(ctx.args.system, "warmup")
+    try:
+        server.start()
+        return ask(ctx, server, [{"role": "user", "content": text}])["ttft_s"]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:500]
+    finally:
+        server.stop()
+        if server.cache_dir is not None:
+            shutil.rmtree(server.cache_dir, ignore_errors=True)
+
+
 def model_dir(args, tmp):
     """``--model``, or the ``--shape`` model written (into ``--shape-dir``,
     kept and reused while its config is the same)."""
@@ -447,6 +467,11 @@ def build_parser():
         action="store_true",
         help="patched sides at DEBUG; their timing: lines",
     )
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="first, each side's server answers one prompt and stops (kernel caches)",
+    )
     p.add_argument("--flags", default="", help="more flags for every server")
     p.add_argument(
         "--settle",
@@ -490,6 +515,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         model = model_dir(args, tmp)
         ctx = argparse.Namespace(args=args, prompts=Prompts(model, args.endpoint))
+        warm = {s: warmup(ctx, model, tmp, s) for s in args.sides if args.warmup}
         for r in range(args.runs):
             sides = args.sides if r % 2 == 0 else args.sides[::-1]
             if args.reuse:
@@ -506,6 +532,8 @@ def main(argv=None):
     result["config"] = {k: v for k, v in vars(args).items() if k != "out"}
     result["model"] = str(args.model or args.shape)
     result["endpoint"] = "chat" if ctx.prompts.chat else "completions"
+    if warm:
+        result["warmup_ttft_s"] = warm
     result["scenarios"] = {
         s: {side: merge(runs) for side, runs in by_side.items()}
         for s, by_side in results.items()

@@ -364,6 +364,13 @@ def make_server(args, model, side, tmp, name):
     return server
 
 
+def discard(server):
+    """Stop ``server`` and remove its prompt-cache directory."""
+    server.stop()
+    if server.cache_dir is not None:
+        shutil.rmtree(server.cache_dir, ignore_errors=True)
+
+
 def run_group(ctx, model, tmp, side, scenarios, name, results):
     """Run ``scenarios`` on one side, in one server (restarted where a
     scenario stops it or a failure ends it); each result appended to
@@ -396,9 +403,7 @@ def run_group(ctx, model, tmp, side, scenarios, name, results):
                     result["hits_timing_ms"] = hits
             out.append(result)
     finally:
-        server.stop()
-        if server.cache_dir is not None:
-            shutil.rmtree(server.cache_dir, ignore_errors=True)
+        discard(server)
 
 
 def warmup(ctx, model, tmp, side):
@@ -414,9 +419,7 @@ def warmup(ctx, model, tmp, side):
     except Exception as e:
         return f"{type(e).__name__}: {e}"[:500]
     finally:
-        server.stop()
-        if server.cache_dir is not None:
-            shutil.rmtree(server.cache_dir, ignore_errors=True)
+        discard(server)
 
 
 def model_dir(args, tmp):

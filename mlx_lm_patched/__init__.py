@@ -55,6 +55,7 @@ from .serving import (
     server_models,
     server_prompt_cache,
     server_requests,
+    server_warmup,
 )
 
 __version__ = "0.1.0"
@@ -108,6 +109,7 @@ MODULES = (
     server_http,  # server.py: bursts, idle timeouts, a bounded stop
     server_models,  # server.py: /v1/models without a hub cache
     prompt_trie_search,  # cache.py: PromptTrie.search in linear time
+    server_warmup,  # server.py: made-up tokens served once at start
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

@@ -28,6 +28,7 @@ FACTS = {
     "--prompt-cache-mode": ["(default: 600", "700", "umask"],
     "--prompt-cache-bits": ["at rest"],
     "--prompt-cache-group-size": ["(default: 64)"],
+    "--warmup-tokens": ["plus 256", "0: none"],
 }
 # Upstream's words for its own programs.
 UPSTREAM = ["LLM inference script", "LLM benchmarking script", "MLX Http Server"]

@@ -27,6 +27,30 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
+def _serve_once(generator, store, tokens, model, options):
+    """One made-up request served as ``_generate`` serves one: its prefix
+    from ``store`` (else new caches of ``options``), its segment's end and
+    its answer stored there."""
+    cache, rest = store.fetch_nearest_cache("warm-up", tokens)
+    generator.insert_segments(
+        [[rest[:-1], rest[-1:]] if len(rest) > 1 else [rest]],
+        max_tokens=[2],
+        caches=[cache or make_prompt_cache(model, *options)],
+        all_tokens=[tokens[: len(tokens) - len(rest)]],
+    )
+    while True:
+        prompt_responses, responses = generator.next()
+        ends = [
+            r.uid for r in prompt_responses if r.end_of_segment and not r.end_of_prompt
+        ]
+        for segment, key in generator.extract_cache(ends).values():
+            store.insert_cache("warm-up", key[:], segment)
+        for r in responses:
+            if r.finish_reason is not None:
+                store.insert_cache("warm-up", r.all_tokens[:], r.prompt_cache)
+                return
+
+
 class ResponseGenerator:
     def _warm_up(self, stream):
         """Serve made-up tokens the way requests are served, in a prompt
@@ -65,33 +89,11 @@ class ResponseGenerator:
                 kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start,
             )
-            for tokens in (prompt, prompt, prompt + prompt[:64]):
-                cache, rest = store.fetch_nearest_cache("warm-up", tokens)
-                if cache is None:
-                    cache = make_prompt_cache(model, *options)
-                generator.insert_segments(
-                    [[rest[:-1], rest[-1:]] if len(rest) > 1 else [rest]],
-                    max_tokens=[2],
-                    caches=[cache],
-                    all_tokens=[tokens[: len(tokens) - len(rest)]],
-                )
-                finished = False
-                while not finished:
-                    prompt_responses, responses = generator.next()
-                    ends = [
-                        r.uid
-                        for r in prompt_responses
-                        if r.end_of_segment and not r.end_of_prompt
-                    ]
-                    for segment, key in generator.extract_cache(ends).values():
-                        store.insert_cache("warm-up", key[:], segment)
-                    for r in responses:
-                        if r.finish_reason is not None:
-                            store.insert_cache(
-                                "warm-up", r.all_tokens[:], r.prompt_cache
-                            )
-                            finished = True
-            generator.close()
+            try:
+                for tokens in (prompt, prompt, prompt + prompt[:64]):
+                    _serve_once(generator, store, tokens, model, options)
+            finally:
+                generator.close()
         except Exception as e:
             logging.warning(f"Warm-up failed, serving without it: {e!r}")
             return
@@ -130,7 +132,8 @@ PATCH = Patch(
     "server_warmup",
     "server: made-up tokens served once at start, so that the first requests "
     "find MLX's kernels built",
-    targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
+    targets("mlx_lm.server", _serve_once)
+    + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
     + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE)
     + edits("mlx_lm.server", main=_MAIN),
 )

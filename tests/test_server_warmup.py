@@ -5,6 +5,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -86,6 +87,7 @@ def test_the_server_warms_up_before_its_first_request_which_finds_no_entry(
         "--model", str(make_tiny_dir("llama")), "--warmup-tokens", "100",
     ]  # fmt: skip
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    usage = None
     try:
         body = json.dumps({"prompt": "The warm-up", "max_tokens": 2}).encode()
         for _ in range(300):
@@ -95,10 +97,11 @@ def test_the_server_warms_up_before_its_first_request_which_finds_no_entry(
                     usage = json.loads(r.read())["usage"]
                 break
             except OSError:
-                subprocess.run(["sleep", "0.1"])
+                time.sleep(0.1)
     finally:
         server.terminate()
         log = server.communicate(timeout=30)[1]
+    assert usage is not None, log  # the server answered
     assert "Warm-up: 100 made-up tokens served" in log
     assert log.index("Warm-up:") < log.index("Prompt Cache: 0 sequences")
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0

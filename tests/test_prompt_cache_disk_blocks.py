@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import zlib
 
 import mlx.core as mx
@@ -226,6 +227,19 @@ def test_the_writer_reads_copies_that_share_no_memory_with_the_entry(
     for a, b in pairs:
         a, b = np.asarray(a), np.asarray(b)  # on the CPU: the buffers themselves
         assert np.array_equal(a, b) and (a.ndim < 2 or not np.shares_memory(a, b))
+    # Read from one buffer (each host read held the GIL), or from buffers
+    # of about blob_bytes, a larger array alone.
+    assert len(theirs.blobs) == 1
+    big = max(a.nbytes for a, _ in pairs)
+    split = own(state, blob_bytes=big)
+    assert 1 < len(split.blobs) < len(pairs)
+    held = [b for b in split.arrays.values() if hasattr(b, "blobs")]
+    for i, blob in enumerate(split.blobs):
+        n = sum(b.i == i for b in held)
+        assert blob.nbytes <= big or n <= 1
+    prompt_cache_disk._to_host(split, mx.new_stream(mx.cpu))
+    for k, a in state.arrays.items():
+        assert np.array_equal(np.asarray(a), np.asarray(split.arrays[k]))
 
 
 def test_an_insert_with_the_disk_tier_waits_for_nothing(tmp_path, monkeypatch):
@@ -237,7 +251,13 @@ def test_an_insert_with_the_disk_tier_waits_for_nothing(tmp_path, monkeypatch):
     (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
     lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
     waits, evaluate = [], mx.eval
-    monkeypatch.setattr(mx, "eval", lambda *a: waits.append(1) or evaluate(*a))
+    here = threading.current_thread()
+
+    def counted(*a):
+        waits.extend([1] if threading.current_thread() is here else [])
+        return evaluate(*a)
+
+    monkeypatch.setattr(mx, "eval", counted)
     lru.insert_cache("m", tokens, cache)
     assert lru.disk.queued == 1 and waits == []
     monkeypatch.undo()

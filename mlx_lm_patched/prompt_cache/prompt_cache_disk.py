@@ -16,7 +16,10 @@ entry's arrays (``prompt_cache_state``: evaluated on the calling thread,
 which another thread cannot do; bfloat16 as its bits, quantized caches as
 their packed triples, nothing upcast or copied) and returns (a 524 MB entry
 took 1,160 ms when ``put`` copied it itself); a thread copies and writes
-them (a locked temporary file renamed into place). Held, they cannot be
+them (a locked temporary file renamed into place), reading device copies
+packed in a few buffers and brought to host on its own CPU stream, so no
+request waits for the GIL while an entry leaves the device
+(``_own_copies``, ``_to_host``). Held, they cannot be
 donated to an update. The queue holds at most ``queue_bytes`` (past it, an
 entry is ``dropped``, warned); ``get`` serves queued entries;
 ``close(timeout)`` writes the queue in a bounded time. Every entry queued

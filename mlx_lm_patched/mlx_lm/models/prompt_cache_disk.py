@@ -22,7 +22,7 @@ from .cache import (
     prompt_cache_mismatch,
     prompt_cache_state,
 )
-from .prompt_cache_disk_blocks import PromptBlockDir, _own_copies
+from .prompt_cache_disk_blocks import PromptBlockDir, _own_copies, _to_host
 from .prompt_cache_entries import _disk_restore_point, _ring_points
 
 
@@ -68,6 +68,7 @@ class DiskPromptCache(PromptBlockDir):
         self._layouts = {}  # model key -> prompt_cache_layout of its own caches
         self._closed = self._given_up = False  # close(); its timeout ran out
         self._queue = queue.Queue()  # (name, state, bytes) of _pending, then None
+        self._host_stream = None  # the writer's CPU stream (_to_host)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
 
@@ -189,6 +190,9 @@ class DiskPromptCache(PromptBlockDir):
         files never take the directory past ``max_bytes``, replicas' writes
         included); whether it was written."""
         # The host copy, on this thread: the arrays' own memory, read in place.
+        if self._host_stream is None:  # streams are the thread's own
+            self._host_stream = mx.new_stream(mx.cpu)
+        _to_host(state, self._host_stream)
         host = self._seal(state)[0]
         path = os.path.join(self.directory, name)
         self._lock_dir()

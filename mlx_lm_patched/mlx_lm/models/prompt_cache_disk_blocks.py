@@ -68,31 +68,86 @@ class _Block:
         return HostPromptCache(arrays, dtypes, self.meta)
 
 
-def _own_copies(state):
-    """``state`` as the writer thread reads it: device copies of its arrays
-    and of its blocks' runs, scheduled (the writer waits for them, the
-    serving thread does not). On CUDA a host read moves an MLX array's
-    buffer off the device and frees it, under the kernels of the requests
-    that still use it: the server died (``illegal memory access``) with the
-    same 24k-token prompt twice and the disk tier on."""
+class _Packed:
+    """An array the writer reads: ``shape`` of ``dtype`` copied into byte
+    buffer ``blobs[i]`` from byte ``start`` (``_own_copies``)."""
 
-    def own(x):  # not the scalars and strings made for the file (0 or 1-d)
-        return (x * 1).astype(x.dtype) if getattr(x, "ndim", 0) > 1 else x
+    def __init__(self, blobs: list, i: int, start: int, shape: tuple, dtype):
+        self.blobs, self.i, self.start, self.shape, self.dtype = (
+            blobs,
+            i,
+            start,
+            shape,
+            dtype,
+        )
+        self.ndim, self.nbytes = len(shape), dtype.size
+        for n in shape:
+            self.nbytes *= n
 
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        data = np.asarray(self.blobs[self.i])[self.start : self.start + self.nbytes]
+        return data.view(str(self.dtype).rpartition(".")[2]).reshape(self.shape)
+
+
+def _own_copies(state, blob_bytes: int = 64 << 20):
+    """``state`` as the writer thread reads it: its arrays and its blocks'
+    runs (the scalars and strings made for the file, 0 or 1-d, are their
+    own) copied on the device into byte buffers of about ``blob_bytes``
+    (``_Packed``), scheduled, never waited for here. On CUDA a host read
+    moves an MLX array's buffer off the device and frees it, under the
+    kernels of the requests that still use it: the server died (``illegal
+    memory access``) with the same 24k-token prompt twice and the disk tier
+    on. The writer brings the buffers to host (``_to_host``)."""
+    runs = {id(b.runs): b.runs for b in state.blocks.values()}
+    arrays = [*state.arrays.values()]
+    arrays += [x[-1] for r in runs.values() for xs in r.values() for x in xs]
+    packed, blobs, group, size = {}, [], [], 0
+
+    def pack():
+        flat = [x.reshape(-1).view(mx.uint8) for x in group]
+        blobs.append(mx.concatenate(flat) if len(flat) > 1 else flat[0] * 1)
+        start = 0
+        for x in group:
+            packed[id(x)] = _Packed(blobs, len(blobs) - 1, start, x.shape, x.dtype)
+            start += x.nbytes
+
+    for x in arrays:
+        if getattr(x, "ndim", 0) < 2 or id(x) in packed:
+            continue
+        if group and size + x.nbytes > blob_bytes:
+            pack()
+            group, size = [], 0
+        group.append(x)
+        size += x.nbytes
+        packed[id(x)] = None
+    if group:
+        pack()
+    own = lambda x: packed.get(id(x)) or x  # noqa: E731
     own_state = copy.copy(state)
     own_state.arrays = {k: own(x) for k, x in state.arrays.items()}
-    runs, own_state.blocks = {}, {}
-    for name, b in state.blocks.items():
-        if id(b.runs) not in runs:
-            runs[id(b.runs)] = {
-                key: [(*spec, own(x)) for *spec, x in arrays]
-                for key, arrays in b.runs.items()
-            }
-        own_state.blocks[name] = _Block(b.shared, runs[id(b.runs)], b.held, b.j, b.meta)
-    copies = [[x[-1] for x in r] for rs in runs.values() for r in rs.values()]
-    copies.append(list(own_state.arrays.values()))
-    mx.async_eval([x for xs in copies for x in xs if isinstance(x, mx.array)])
+    own_runs = {
+        n: {key: [(*spec, own(x)) for *spec, x in xs] for key, xs in r.items()}
+        for n, r in runs.items()
+    }
+    own_state.blocks = {
+        name: _Block(b.shared, own_runs[id(b.runs)], b.held, b.j, b.meta)
+        for name, b in state.blocks.items()
+    }
+    own_state.blobs = blobs
+    mx.async_eval(blobs)
     return own_state
+
+
+def _to_host(state, stream):
+    """Bring ``state``'s buffers (``_own_copies``) to host in one evaluation
+    on the CPU ``stream``: the GIL is free while a buffer leaves the device,
+    where ``np.asarray`` would hold it (on CUDA a Gemma-3 entry's copies to
+    host stalled the serving thread for up to 0.2 s each), and what the CPU
+    then reads is in host memory already."""
+    state.blobs[:] = [mx.add(b, 0, stream=stream) for b in state.blobs]
+    mx.eval(state.blobs)
 
 
 class PromptBlockDir(PromptCacheDir):

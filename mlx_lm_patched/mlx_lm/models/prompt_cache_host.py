@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from .cache import _prompt_cache_from_arrays
 
@@ -58,6 +57,22 @@ class HostPromptCache:
                 f.write(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False).data)
 
 
+def _flatten(tree, prefix: str = "", out=None):
+    """``tree_flatten(tree)``, without its generality: a prompt cache with
+    checkpoints holds thousands of arrays, flattened at every disk write
+    (``tree_flatten`` took 12 of a put's 20 ms on this CPU)."""
+    out = [] if out is None else out
+    if isinstance(tree, (list, tuple)):
+        for i, x in enumerate(tree):
+            _flatten(x, f"{prefix}.{i}" if prefix else str(i), out)
+    elif isinstance(tree, dict):
+        for k, x in tree.items():
+            _flatten(x, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out.append((prefix, tree))
+    return out
+
+
 def prompt_cache_state(
     cache: List[Any], metadata: Optional[Dict[str, str]] = None
 ) -> HostPromptCache:
@@ -77,8 +92,14 @@ def prompt_cache_state(
         cache = [*cache, *(c for _, c in held)]
     scalars = [""]  # as in save_prompt_cache
     arrays, dtypes, made = {}, {}, {}  # made: one array a scalar value
-    for k, data in tree_flatten([c.state for c in cache]):
-        if isinstance(data, (int, float, bool)):
+    names = {}  # dtype -> its name
+    for k, data in _flatten([c.state for c in cache]):
+        if isinstance(data, mx.array):
+            # Its own handle on the buffer: ``c.keys[...] = x`` replaces what
+            # the cache's handle points to (measured: a held handle then reads
+            # the update, unevaluated), never the buffer a handle holds.
+            data = copy.copy(data)
+        elif isinstance(data, (int, float, bool)):
             scalars.append((k, "scalar"))
             key = (type(data), data)
             data = made[key] = made[key] if key in made else mx.array(data)
@@ -88,18 +109,16 @@ def prompt_cache_state(
         elif data is None:
             scalars.append((k, "none"))
             data = mx.array([])
-        elif not isinstance(data, mx.array):
-            raise ValueError(f"Model state is not serializable: {data}")
         else:
-            # Its own handle on the buffer: ``c.keys[...] = x`` replaces what
-            # the cache's handle points to (measured: a held handle then reads
-            # the update, unevaluated), never the buffer a handle holds.
-            data = copy.copy(data)
-        dtypes[k] = str(data.dtype).rpartition(".")[2]
-        arrays[k] = data.view(mx.uint16) if data.dtype == mx.bfloat16 else data
+            raise ValueError(f"Model state is not serializable: {data}")
+        dtype = data.dtype
+        if dtype not in names:
+            names[dtype] = str(dtype).rpartition(".")[2]
+        dtypes[k] = names[dtype]
+        arrays[k] = data.view(mx.uint16) if dtype == mx.bfloat16 else data
     mx.async_eval(list(arrays.values()))
     classes = [type(c).__name__ for c in cache]
-    cache_metadata = dict(tree_flatten([metadata or {}, classes, scalars]))
+    cache_metadata = dict(_flatten([metadata or {}, classes, scalars]))
     return HostPromptCache(arrays, dtypes, cache_metadata)
 
 

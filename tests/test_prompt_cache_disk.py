@@ -712,7 +712,13 @@ def test_a_queued_entry_is_served_before_its_file_exists(load_tiny, tmp_path):
     assert rest == EXTRA and same(live(restored), live(kept))
 
 
-def test_a_full_queue_drops_the_entry_and_counts_it(load_tiny, tmp_path, caplog):
+def test_a_full_queue_drops_the_entry_and_counts_it(
+    load_tiny, tmp_path, caplog, monkeypatch
+):
+    """An entry the queue cannot take is dropped, counted and warned, its
+    state never made (a view and a schedule an array, on the serving
+    thread): only the entry queued is."""
+    from mlx_lm.models import prompt_cache_disk
     from mlx_lm.models.cache import prompt_cache_state
 
     model, _ = load_tiny("llama")
@@ -720,6 +726,12 @@ def test_a_full_queue_drops_the_entry_and_counts_it(load_tiny, tmp_path, caplog)
     caches = [prefilled(model, p) for p in prompts]
     one = prompt_cache_state(caches[0]).nbytes  # what the queue holds of one
     tier = disk(tmp_path, queue_bytes=one + one // 2)
+    made = []
+    monkeypatch.setattr(
+        prompt_cache_disk,
+        "prompt_cache_state",
+        lambda *a: made.append(1) or prompt_cache_state(*a),
+    )
     caplog.set_level(logging.WARNING)
     lock = DirectoryHeld(tmp_path)
     try:
@@ -729,7 +741,7 @@ def test_a_full_queue_drops_the_entry_and_counts_it(load_tiny, tmp_path, caplog)
         lock.release()
     tier.close()
 
-    assert tier.dropped == 2
+    assert tier.dropped == 2 and len(made) == 1
     assert "2 dropped so far" in caplog.text
     assert [tier.get(MODEL, p + EXTRA) is not None for p in prompts] == [
         True,

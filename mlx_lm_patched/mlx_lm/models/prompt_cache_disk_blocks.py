@@ -80,7 +80,7 @@ class _Packed:
             shape,
             dtype,
         )
-        self.ndim, self.nbytes = len(shape), dtype.size
+        self.nbytes = dtype.size
         for n in shape:
             self.nbytes *= n
 

@@ -59,8 +59,9 @@ class HostPromptCache:
 
 def _flatten(tree, prefix: str = "", out=None):
     """``tree_flatten(tree)``, without its generality: a prompt cache with
-    checkpoints holds thousands of arrays, flattened at every disk write
-    (``tree_flatten`` took 12 of a put's 20 ms on this CPU)."""
+    checkpoints holds thousands of arrays, flattened at every disk write (a
+    2,688-array cache's state took 13.0 ms with ``tree_flatten`` on this
+    CPU, 11.0 with this)."""
     out = [] if out is None else out
     if isinstance(tree, (list, tuple)):
         for i, x in enumerate(tree):

@@ -574,6 +574,35 @@ def test_a_ring_with_slack_decodes_in_place():
     assert len(pointers) == 1 and cache.trimmable_tokens() >= 8
 
 
+def test_a_wrapped_rings_undo_copies_are_slices_not_index_arrays():
+    """Filling the undo ring and a trim putting its tokens back copy runs of
+    consecutive columns as slices: an index array a copy made a dozen graph
+    nodes a layer, which a prompt-cache hit's first step evaluated (2,328
+    nodes against 536 without an undo ring, a 32-layer Gemma-3)."""
+    import io
+    import re
+
+    def primitives(*arrays):
+        dot = io.StringIO()
+        mx.export_to_dot(dot, *arrays)
+        return set(re.findall(r'label ="([A-Za-z]+)', dot.getvalue()))
+
+    cache = RotatingKVCache(64, keep=4, slack=8)
+    cache.update_and_fetch(*random_kv(1, 2, 70, 8))
+    mx.eval(cache.keys, cache.values)
+    keys, values = cache.update_and_fetch(*random_kv(1, 2, 1, 8))  # holds
+    held = primitives(cache._undo_keys, cache._undo_values)
+    mx.eval(keys, values, cache._undo_keys, cache._undo_values)
+    before = [mx.array(x) for x in (cache.keys, cache.values)]
+    assert cache.trim(3) == 3
+    put_back = primitives(cache.keys, cache.values)
+    assert "SliceUpdate" in held and "SliceUpdate" in put_back
+    assert not (held | put_back) & {"Gather", "Scatter", "Arange"}
+    assert not all(
+        mx.array_equal(a, b).item() for a, b in zip(before, (cache.keys, cache.values))
+    )
+
+
 def test_slack_zero_keeps_upstreams_state_and_refuses_wrapped_trims():
     cache = RotatingKVCache(8, slack=0)
     cache.update_and_fetch(*random_kv(1, 1, 11, 4))

@@ -35,11 +35,11 @@ from .._registry import Patch, targets
 
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.cache import RotatingKVCache
-    from mlx_lm.models.ring_buffer import _put, _spread
+    from mlx_lm.models.ring_buffer import _copy_runs, _put, _spread
 
 # The class body is written as it reads in mlx_lm/models/cache.py and runs
-# there (``targets`` pastes it): ``RotatingKVCache``, ``_put`` and
-# ``_spread`` are that module's; ``_runs``, ``_columns`` and ``_reset_undo``
+# there (``targets`` pastes it): ``RotatingKVCache``, ``_copy_runs``, ``_put``
+# and ``_spread`` are that module's; ``_runs``, ``_columns`` and ``_reset_undo``
 # the ring's own (``batch_rotating_prealloc``).
 
 
@@ -155,13 +155,10 @@ class BatchRotatingKVCache:
                 self._hi - self.keep - first,
             )
             U = 2 * self.slack
-            held = mx.array([(p + first + self.keep) % U for p in range(lo, hi)])
-            slots = mx.array([p % U for p in range(lo, hi)])
+            pairs = [(p % U, (p + first + self.keep) % U) for p in range(lo, hi)]
             for name in ("_undo_keys", "_undo_values") if lo < hi else ():
                 undo = getattr(self, name)[idx : idx + 1]
-                row = mx.zeros_like(undo)
-                row[..., slots, :] = undo[..., held, :]
-                setattr(cache, name, row)
+                setattr(cache, name, _copy_runs(mx.zeros_like(undo), undo, pairs))
             cache._lo, cache._hi = (lo, hi) if lo < hi else (0, 0)
         cache.checkpoints = self._row_checkpoints(idx, cache.offset)
         return cache

@@ -69,6 +69,7 @@ from .._registry import Patch, targets
 if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
     from mlx_lm.models.ring_buffer import (
         _check_update,
+        _copy_runs,
         _hold,
         _pipeline,
         _put,
@@ -278,11 +279,9 @@ class RotatingKVCache:
         # Put the evicted tokens back in the slots of the newest ``n``.
         oldest = self.offset - self.max_size + self.keep
         back = range(max(oldest - n, self.keep), min(oldest, self.offset - n))
-        if len(back):
-            slots = mx.array([_ring_slot(self, p, self.offset) for p in back])
-            held = mx.array([p % (2 * self.slack) for p in back])
-            self.keys[..., slots, :] = self._undo_keys[..., held, :]
-            self.values[..., slots, :] = self._undo_values[..., held, :]
+        pairs = [(_ring_slot(self, p, self.offset), p % (2 * self.slack)) for p in back]
+        _copy_runs(self.keys, self._undo_keys, pairs)
+        _copy_runs(self.values, self._undo_values, pairs)
         ring = self.max_size - self.keep
         if self.offset - n <= self.max_size:
             # Unwrapped again: slot ``s`` holds position ``s``.
@@ -347,6 +346,7 @@ PATCH = Patch(
         "mlx_lm.models.ring_buffer",
         "_check_ring_state",
         "_check_update",
+        "_copy_runs",
         "_hold",
         "_pipeline",
         "_put",

@@ -51,6 +51,22 @@ def _put(buffer, update, start, axes=(2,)):
     return buffer
 
 
+def _copy_runs(dst, src, pairs):
+    """Set ``dst``'s column ``d`` to ``src``'s column ``s`` (the token axis)
+    for each ``(d, s)`` of ``pairs``, in place, a slice a run of consecutive
+    columns: an index array a copy made a dozen graph nodes a layer, evaluated
+    by a prompt-cache hit's first step (2,328 nodes against 536 without an
+    undo ring, 32 layers)."""
+    i = 0
+    while i < len(pairs):
+        (d, s), n = pairs[i], 1
+        while i + n < len(pairs) and pairs[i + n] == (d + n, s + n):
+            n += 1
+        dst[..., d : d + n, :] = src[..., s : s + n, :]
+        i += n
+    return dst
+
+
 def _ring_slot(cache, p, offset):
     """The ring slot of position ``p``, ``offset`` tokens in: ``[keep,
     max_size)``, the oldest in the window at ``_idx``."""
@@ -123,10 +139,9 @@ def _hold(cache, fetched, offset, source=None):
         cache._lo = start
     cache._hi = min(oldest + cache.slack, offset)
     cache._lo = max(cache._lo, cache._hi - U)
-    held = mx.array([p % U for p in range(start, cache._hi)])
-    src = mx.array([index(p) for p in range(start, cache._hi)])
-    cache._undo_keys[..., held, :] = keys[..., src, :]
-    cache._undo_values[..., held, :] = values[..., src, :]
+    pairs = [(p % U, index(p)) for p in range(start, cache._hi)]
+    _copy_runs(cache._undo_keys, keys, pairs)
+    _copy_runs(cache._undo_values, values, pairs)
     return tuple(mx.depends(list(fetched), [cache._undo_keys, cache._undo_values]))
 
 

@@ -24,7 +24,7 @@ from .cache import (
 )
 from .prompt_cache_disk_blocks import PromptBlockDir, _own_copies, _to_host
 from .prompt_cache_entries import _disk_restore_point, _ring_points
-from .prompt_cache_host import _flatten
+from .prompt_cache_host import _state_nbytes
 
 
 class DiskPromptCache(PromptBlockDir):
@@ -110,18 +110,14 @@ class DiskPromptCache(PromptBlockDir):
             )
         cache, blocks_metadata, blocks = self._blocked(model, tokens, cache)
         self._learn(model, cache)
-        # An entry the queue cannot take is dropped before its state is made
-        # (a view and a schedule an array: 20-40 ms of a Gemma-3 entry's
-        # 2,700 arrays on an H200's host); its arrays' bytes are most of it.
-        held = [*cache, *(c for x in cache for c in getattr(x, "checkpoints", ()))]
-        least = sum(
-            x.nbytes
-            for _, x in _flatten([c.state for c in held])
-            if isinstance(x, mx.array)
-        )
-        with self._lock:
-            if self._dropped(tokens, least):
-                return
+        # An entry a queue already holding others cannot take is dropped
+        # before its state is made (a view and a schedule an array: 20-40 ms
+        # of a Gemma-3 entry's 2,700 arrays on an H200's host).
+        if self._pending:
+            least = _state_nbytes(cache)
+            with self._lock:
+                if self._dropped(tokens, least):
+                    return
         metadata = {
             "model": model,
             "tokens": json.dumps(tokens),

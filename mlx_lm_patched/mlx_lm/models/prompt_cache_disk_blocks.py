@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import zlib
@@ -73,16 +74,9 @@ class _Packed:
     buffer ``blobs[i]`` from byte ``start`` (``_own_copies``)."""
 
     def __init__(self, blobs: list, i: int, start: int, shape: tuple, dtype):
-        self.blobs, self.i, self.start, self.shape, self.dtype = (
-            blobs,
-            i,
-            start,
-            shape,
-            dtype,
-        )
-        self.nbytes = dtype.size
-        for n in shape:
-            self.nbytes *= n
+        self.blobs, self.i, self.start = blobs, i, start
+        self.shape, self.dtype = shape, dtype
+        self.nbytes = dtype.size * math.prod(shape)
 
     def __array__(self, dtype=None, copy=None):
         import numpy as np

@@ -74,6 +74,21 @@ def _flatten(tree, prefix: str = "", out=None):
     return out
 
 
+def _checkpoints(cache: List[Any]):
+    """``(layer index, checkpoint)`` of each of ``cache``'s rings' checkpoints,
+    which ``prompt_cache_state`` keeps after the layers."""
+    return [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]
+
+
+def _state_nbytes(cache: List[Any]) -> int:
+    """The bytes of the arrays ``prompt_cache_state(cache)`` holds, but for the
+    few it makes of scalars: counted without making its state (a view and a
+    schedule an array)."""
+    layers = [*cache, *(c for _, c in _checkpoints(cache))]
+    flat = _flatten([c.state for c in layers])
+    return sum(x.nbytes for _, x in flat if isinstance(x, mx.array))
+
+
 def prompt_cache_state(
     cache: List[Any], metadata: Optional[Dict[str, str]] = None
 ) -> HostPromptCache:
@@ -86,7 +101,7 @@ def prompt_cache_state(
     (``RotatingKVCache._checkpoint``) follow the layers as caches of their
     own, the metadata's ``ring_checkpoints`` naming each one's layer and
     position (``_prompt_cache_from_arrays`` puts them back)."""
-    held = [(i, c) for i, x in enumerate(cache) for c in getattr(x, "checkpoints", ())]
+    held = _checkpoints(cache)
     if held:
         positions = json.dumps([[i, c.offset] for i, c in held])
         metadata = {**(metadata or {}), "ring_checkpoints": positions}

@@ -325,6 +325,101 @@ def test_a_conversation_sent_again_is_not_tokenized_again(patched, make_tiny_dir
     assert len(other_calls) == 2
 
 
+def fast_tokenizers(make_tiny_dir):
+    """Hugging Face fast tokenizers whose added tokens a resumed encoding
+    must respect: the demo's byte-level BPE, and a Metaspace one that marks
+    only its input's first word, with a normalizer and an added token that
+    strips the space before it (no place to resume at)."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from mlx_lm_patched.demo import tiny
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.normalizer = normalizers.Lowercase()
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>"])
+    spm.train_from_iterator(tiny.TEXT.splitlines(), trainer)
+    spm.add_special_tokens([AddedToken("<sep>", lstrip=True)])
+    return {
+        "bpe": AutoTokenizer.from_pretrained(make_tiny_dir("llama")),
+        "metaspace": PreTrainedTokenizerFast(tokenizer_object=spm),
+    }
+
+
+@pytest.mark.parametrize("name", ["bpe", "metaspace"])
+def test_a_resumed_encoding_is_the_whole_texts(patched, make_tiny_dir, name):
+    """Texts grown, cut and edited anywhere (in words, special tokens, and
+    spaces before a stripping token): ``encode_resumed`` from the text
+    before gives the ids of encoding the text whole, and reuses the tokens
+    before the last special token the two share."""
+    import random
+
+    from mlx_lm.server_prompt_cache import encode_resumed, resumable
+
+    tok = fast_tokenizers(make_tiny_dir)[name]
+    encoder = resumable(tok)
+    assert encoder is not None
+    words = ["the", " The", "cat", "  ", "\n", "é", "<s>", "<sep>", " <sep>", "x"]
+    words += ["<|im_start|>", "<|im_end|>"] if name == "bpe" else []
+    rng = random.Random(0)
+    kept, reused = None, 0
+    for _ in range(300):
+        text = kept[0] if kept else ""
+        at = rng.randrange(len(text) + 1)
+        if rng.random() < 0.7:  # mostly grown at the end, as a chat grows
+            at = len(text) - rng.randrange(min(len(text), 3) + 1)
+        new = "".join(rng.choice(words) for _ in range(rng.randrange(12)))
+        text = text[:at] + new
+        ids, cuts = encode_resumed(encoder, text, kept)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        assert all(ids[i] in encoder[1] for i, _ in cuts)
+        reused += kept is not None and ids[:1] == kept[1][:1] and len(cuts) > 1
+        kept = (text, ids, cuts)
+    assert reused > 100
+
+
+def test_a_new_turn_encodes_its_new_messages_only(patched, make_tiny_dir, monkeypatch):
+    """An agent's next turn (the conversation and two messages more) is
+    encoded from the last special token it shares with the turn before:
+    the tokens are ``apply_chat_template``'s, the text encoded is the new
+    messages in their template, from the last turn's generation prompt on."""
+    from mlx_lm import server
+    from mlx_lm.server import ResponseGenerator
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(make_tiny_dir("llama"))
+    encoded = []
+    encoder, *cuts = server.resumable(tok)
+    recording = SimpleNamespace(
+        encode=lambda text, **k: encoded.append(text) or encoder.encode(text, **k)
+    )
+    monkeypatch.setattr(server, "resumable", lambda t: (recording, *cuts))
+    generator = ResponseGenerator.__new__(ResponseGenerator)
+    chat = [{"role": "system", "content": "You answer in one word. " * 50}]
+    for turn in range(4):
+        reply = {"role": "assistant", "content": f"Reply {turn}."}
+        chat = (
+            chat
+            + ([reply] if turn else [])
+            + [{"role": "user", "content": f"Tool result {turn}: " + "ok " * 40}]
+        )
+        kwargs = dict(add_generation_prompt=True, tokenize=True)
+        ids = generator._chat_tokens(tok, chat, **kwargs)
+        assert ids == tok.apply_chat_template(chat, **kwargs)
+        if turn:
+            new = sum(len(m["content"]) for m in chat[-2:])
+            assert len(encoded) == turn + 1 and len(encoded[-1]) < new + 100
+            assert encoded[-1].startswith("<|im_start|>assistant")
+
+
 def test_a_requests_segment_caches_are_stored_after_its_first_token(
     patched, make_tiny_dir, caplog
 ):

@@ -49,7 +49,11 @@ HTTP server for bursts (``server_http``).
 and its system prompt again to find where that ends: an agent loop resends
 both every turn, so a hit paid for tokens made before (a 24k-token prompt
 again: ~50 ms on an H200's host). Both calls go through ``_chat_tokens``,
-which keeps the last ``chat_tokens_kept`` calls' tokens.
+which keeps the last ``chat_tokens_kept`` calls' tokens, and encodes a
+grown conversation from the last special token it shares with a kept one
+(``encode_resumed``: a tokenizer encodes the text between added tokens
+apart, so the tokens are the same): an agent's 8k-token turn encoded 12 ms
+of text made before.
 """
 
 from typing import TYPE_CHECKING
@@ -61,13 +65,17 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import json
     import logging
 
+    from mlx_lm.server_prompt_cache import _shared, encode_resumed, resumable
+
 
 class ResponseGenerator:
     def _chat_tokens(self, tokenizer, messages, **kwargs):
         """``tokenizer.apply_chat_template(messages, **kwargs)``, the last
         ``chat_tokens_kept`` calls' tokens kept: agent and chat loops resend
         a conversation, and ``_tokenize`` its system prompt, every request.
-        Not kept: inputs that are not JSON, templates that read the clock."""
+        A new conversation's text is encoded from the last special token it
+        shares with a kept one (``encode_resumed``). Not kept: inputs that
+        are not JSON, templates that read the clock."""
         template = str(getattr(tokenizer, "chat_template", None) or "")
         try:
             key = json.dumps([messages, kwargs], sort_keys=True)
@@ -75,19 +83,27 @@ class ResponseGenerator:
             key = None
         if key is None or "strftime_now" in template:
             return tokenizer.apply_chat_template(messages, **kwargs)
-        owner, kept = getattr(self, "_chat_tokens_kept", (None, None))
+        owner, kept, encoder = getattr(self, "_chat_tokens_kept", (None,) * 3)
         if owner is not tokenizer:
-            kept = {}
-            self._chat_tokens_kept = (tokenizer, kept)
-        tokens = kept.pop(key, None)
-        if tokens is None:
+            kept, encoder = {}, resumable(tokenizer)
+            self._chat_tokens_kept = (tokenizer, kept, encoder)
+        entry = kept.pop(key, None)
+        if entry is None and (encoder is None or not kwargs.get("tokenize")):
             tokens = tokenizer.apply_chat_template(messages, **kwargs)
             if not isinstance(tokens, list):
                 return tokens
-        kept[key] = tokens
+            entry = (None, tokens, None)
+        elif entry is None:
+            text = tokenizer.apply_chat_template(
+                messages, **{**kwargs, "tokenize": False}
+            )
+            known = [e for e in kept.values() if e[0] is not None]
+            base = max(known, key=lambda e: _shared(text, e[0]), default=None)
+            entry = (text, *encode_resumed(encoder, text, base))
+        kept[key] = entry
         while len(kept) > self.chat_tokens_kept:
             del kept[next(iter(kept))]
-        return list(tokens)
+        return list(entry[1])
 
     chat_tokens_kept = 8
 
@@ -527,7 +543,7 @@ PATCH = Patch(
     "(--prompt-cache-mode); a start-up line with the entries found and the "
     "budgets; bad sizes and "
     "directories are one-line errors; a conversation resent is not tokenized "
-    "again",
+    "again, a grown one only from its last shared special token",
     new_module("mlx_lm.server_prompt_cache")
     + hooks(
         "mlx_lm.server",
@@ -536,6 +552,9 @@ PATCH = Patch(
         "parse_byte_size",
         "prompt_cache_dir",
         "log_timing",
+        "resumable",
+        "_shared",
+        "encode_resumed",
     )
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)
     + edits("mlx_lm.server:ResponseGenerator", _generate=_GENERATE, _tokenize=_TOKENIZE)

@@ -163,6 +163,27 @@ def test_a_row_and_the_checkpoints_it_takes_out_cost_one_sync(monkeypatch):
     assert all(held <= offsets for name, held in calls if name == "eval")
 
 
+def test_the_checkpoints_offsets_are_evaluated_with_the_ring():
+    """The offsets of the checkpoints a chunk takes are computed when the
+    batch's state is (``PromptProcessingBatch.prompt`` evaluates it after
+    every chunk): the sync of ``extract`` finds nothing left to compute,
+    where each layer's waited for the device (9-10 ms of an agent's turn
+    on an H200, Gemma-3 shape)."""
+    import io
+
+    mx.random.seed(0)
+    ks, vs = random_kv(2, H, 150, D)
+    cache = BatchRotatingKVCache(48, [0, 20], checkpoint_every=32)
+    for a, b in ((0, 70), (70, 150)):
+        cache.update_and_fetch(ks[:, :, a:b], vs[:, :, a:b])
+        mx.eval(cache.state)
+    assert len(cache.checkpoints) == 4
+    for c in cache.checkpoints:
+        dot = io.StringIO()
+        mx.export_to_dot(dot, c.offset, c.left_padding)
+        assert "label =" not in dot.getvalue()  # no operation left to run
+
+
 def test_rows_keep_their_checkpoints_when_others_join():
     """A row joining a batch mid-prefill (``extend``) takes checkpoints from
     then on; the rows already there keep theirs: each the single ring fed

@@ -35,7 +35,12 @@ from .caches import (
     ring_trim_slack,
     rotating_prealloc,
 )
-from .generation import batch_generator_kv_bits, generate_kv_checks, speculative_bounded
+from .generation import (
+    batch_generator_kv_bits,
+    generate_kv_checks,
+    prompt_batch_split,
+    speculative_bounded,
+)
 from .kernels import bounded_attention, quantized_attention, quantized_decode_kernel
 from .prompt_cache import (
     host_export,
@@ -110,6 +115,7 @@ MODULES = (
     server_models,  # server.py: /v1/models without a hub cache
     prompt_trie_search,  # cache.py: PromptTrie.search in linear time
     server_warmup,  # server.py: made-up tokens served once at start
+    prompt_batch_split,  # generate.py: a split of every row moves the batch
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

@@ -563,6 +563,9 @@ def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
     assert restart["cached_sigterm"] >= whole and restart["cached_kill9"] >= whole
     assert restart["tiers"]["disk hit"] >= 2 and len(restart["ttft_load_s"]) == 3
     assert out["scenarios"]["concurrent"]["patched"]["prompt_cache_bytes"] > 0
+    # --breakdown: every side at DEBUG (upstream's logs each token's text
+    # there, which slows decode), not only the sides it reads timings of
+    assert " - DEBUG - " in (tmp_path / "upstream-run0.log").read_text()
 
 
 def test_serve_bench_reads_both_servers_logs_and_takes_medians_of_runs():

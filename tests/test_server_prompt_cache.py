@@ -456,3 +456,63 @@ def test_a_requests_segment_caches_are_stored_after_its_first_token(
     assert types == ["system", "user", "assistant"]
     assert "segments" not in first
     assert float(re.search(r"segments=([\d.]+)ms", store)[1]) > 0
+
+
+def test_a_first_token_without_text_leaves_the_segments_for_the_next(
+    patched, make_tiny_dir, monkeypatch
+):
+    """A first token that gives the client no text (a character's first
+    byte) leaves the segment inserts for the token that does: the client's
+    first text waits for the next step, which they would delay."""
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from ringref import cli_args, generation_args
+
+    events = []
+
+    class Quiet:  # the streaming detokenizer, no text until its second token
+        def __init__(self, real):
+            self.real, self.n = real, 0
+
+        def add_token(self, token):
+            self.n += 1
+            events.append(("token", self.n))
+            self.real.add_token(token)
+
+        @property
+        def last_segment(self):
+            return self.real.last_segment if self.n > 1 else ""
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    real = TokenizerWrapper.detokenizer
+    monkeypatch.setattr(
+        TokenizerWrapper, "detokenizer", property(lambda t: Quiet(real.fget(t)))
+    )
+
+    class Recording(LRUPromptCache):
+        def insert_cache(self, model, tokens, cache, *, cache_type="assistant"):
+            events.append(("insert", cache_type))
+            super().insert_cache(model, tokens, cache, cache_type=cache_type)
+
+    generator = ResponseGenerator(
+        ModelProvider(cli_args(make_tiny_dir("llama"))), Recording()
+    )
+    chat = [
+        {"role": "system", "content": "You answer in one word. " * 20},
+        {"role": "user", "content": "Why?"},
+    ]
+    try:
+        request = CompletionRequest("chat", "", chat, None, None)
+        _, responses = generator.generate(request, generation_args(4))
+        assert len([r.token for r in responses]) == 4
+    finally:
+        generator.stop_and_join()
+    assert events[:4] == [
+        ("token", 1),
+        ("token", 2),
+        ("insert", "system"),
+        ("insert", "user"),
+    ]

@@ -60,7 +60,8 @@ def log_timing(timing, phase):
     """Log a request's breakdown at DEBUG: the milliseconds each phase took
     (``first_token``: from joining the batch; ``store``: its entry's insert
     once answered, and ``segments`` the inserts of its prompt's segment
-    caches, made after its first token), each phase logged once."""
+    caches, made once its first token with text is out), each phase logged
+    once."""
     if phase in timing:
         return
     timing[phase] = time.perf_counter()

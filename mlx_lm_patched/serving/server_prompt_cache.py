@@ -132,7 +132,7 @@ class ResponseGenerator:
 
 # ResponseGenerator._generate: the budget after every batch step, each
 # request's timings, the disk tier's prefill counters, its segments' caches
-# stored after its first token.
+# stored after its first token with text.
 _GENERATE = """\
 @@ -23,2 +23,19 @@
              return self._next_request(timeout)
@@ -145,7 +145,7 @@ _GENERATE = """\
 +            self.prompt_cache.trim_to(n_bytes=total - active)
 +
 +    def store_segments(result):
-+        # A request's segment caches, stored once its first token is out
++        # A request's segment caches, stored once its first text is out
 +        for key, tokens, cache, cache_type in result.pop("segments", ()):
 +            at = time.perf_counter()
 +            self.prompt_cache.insert_cache(key, tokens, cache, cache_type=cache_type)
@@ -206,7 +206,7 @@ _GENERATE = """\
 -                        cache_key[:],
 -                        cache,
 -                        cache_type=batch_results[uid]["segment_types"].pop(),
-+                    # Stored after the first token: the prompt goes on first
++                    # Stored after the first text: the prompt goes on first
 +                    batch_results[uid].setdefault("segments", []).append(
 +                        (
 +                            self.model_provider.model_key,
@@ -219,9 +219,12 @@ _GENERATE = """\
                      result = batch_results[r.uid]
 +                    log_timing(result["timing"], "first_token")
  
-@@ -228,2 +262,3 @@
+@@ -228,2 +262,6 @@
                      )
-+                    store_segments(result)
++                    if text or r.finish_reason is not None:
++                        # Once the client has text: a first token without
++                        # any waits for the next step, which they would delay
++                        store_segments(result)
  
 @@ -231,2 +266,3 @@
                          result["rqueue"].put(None)

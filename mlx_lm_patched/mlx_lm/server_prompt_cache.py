@@ -79,11 +79,12 @@ def log_timing(timing, phase):
 
 
 def resumable(tokenizer):
-    """The ``tokenizers.Tokenizer`` that encodes for ``tokenizer`` (an
-    mlx-lm ``TokenizerWrapper`` or a Hugging Face fast tokenizer), the ids of
-    its added tokens an encoding can resume at (neither normalized nor
-    stripping) with their text, and the longest added token's length; None where there is no such
-    tokenizer or it truncates, pads or splits special tokens."""
+    """``(encoder, cuts, longest)``: the ``tokenizers.Tokenizer`` that
+    encodes for ``tokenizer`` (an mlx-lm ``TokenizerWrapper`` or a Hugging
+    Face fast tokenizer), the text of each added token an encoding can
+    resume at (neither normalized nor stripping) by id, and the longest
+    added token's length. None where there is no such tokenizer or it
+    truncates, pads or splits special tokens."""
     from tokenizers import Tokenizer
 
     hf, encoder = tokenizer, getattr(tokenizer, "_tokenizer", None)

@@ -378,7 +378,7 @@ def test_a_resumed_encoding_is_the_whole_texts(patched, make_tiny_dir, name):
             at = len(text) - rng.randrange(min(len(text), 3) + 1)
         new = "".join(rng.choice(words) for _ in range(rng.randrange(12)))
         text = text[:at] + new
-        ids, cuts = encode_resumed(encoder, text, kept)
+        ids, cuts = encode_resumed(encoder, text, [kept] if kept else [])
         assert ids == tok.encode(text, add_special_tokens=False)
         assert all(ids[i] in encoder[1] for i, _ in cuts)
         reused += kept is not None and ids[:1] == kept[1][:1] and len(cuts) > 1

@@ -16,13 +16,12 @@ from .._registry import Patch, edits
 
 # PromptProcessingBatch.split: every row going, the batch moves.
 _SPLIT = """\
-@@ -3,2 +3,9 @@
+@@ -3,2 +3,8 @@
      indices_left = sorted(set(range(len(self.uids))) - set(indices))
 +    if not indices_left:  # every row: the caches move, not copied
 +        new_batch = copy.copy(self)
-+        self.uids, self.prompt_cache, self.tokens = [], [], []
-+        self.samplers, self.logits_processors = [], []
-+        self.max_tokens, self.stop_sequences = [], []
++        self.prompt_cache = []  # the new batch's list, which filter clears
++        self.filter([])
 +        return new_batch
 +
      new_batch = self._copy()

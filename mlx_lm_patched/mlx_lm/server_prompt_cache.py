@@ -116,30 +116,31 @@ def _shared(a: str, b: str) -> int:
     return lo
 
 
-def encode_resumed(encoder, text, kept):
+def encode_resumed(encoder, text, known):
     """``(ids, cuts)``: ``text`` encoded (no special tokens added) by
     ``encoder``, a ``resumable`` triple, and where it can be resumed
-    (``(index, char)`` of its cut tokens). The tokens of ``kept``, an
-    earlier ``(text, ids, cuts)``, are reused up to the last cut token both
-    texts hold, with room for any added token before it: a tokenizer splits
-    its input at added tokens and encodes the pieces apart, so the ids are
-    those of encoding ``text`` whole. An agent's turn encodes its new
-    messages only (an 8k-token chat: 12 ms of an H200's host, each turn)."""
+    (``(index, char)`` of its cut tokens). Of ``known``, earlier ``(text,
+    ids, cuts)``, the one sharing the longest prefix gives its tokens up to
+    the last cut token both texts hold, with room for any added token before
+    it: a tokenizer splits its input at added tokens and encodes the pieces
+    apart, so the ids are those of encoding ``text`` whole. An agent's turn
+    encodes its new messages only (an 8k-token chat: 12 ms of an H200's
+    host, each turn)."""
     tokenizer, cut_ids, longest = encoder
+    shared, kept = max(((_shared(text, k[0]), k) for k in known), default=(0, None))
     index, start = 0, 0
-    if kept is not None:
-        shared = _shared(text, kept[0])
-        for i, c in reversed(kept[2]):
-            if c + longest <= shared:
-                index, start = i, c
-                break
+    for i, c in reversed(kept[2] if kept else ()):
+        if c + longest <= shared:
+            index, start = i, c
+            break
     encoding = tokenizer.encode(text[start:], add_special_tokens=False)
     ids = encoding.ids
     cuts = []
-    for j in (j for j, t in enumerate(ids) if t in cut_ids):
-        a, b = encoding.token_to_chars(j)  # not the unknown token's stand-in
-        if text[start + a : start + b] == cut_ids[ids[j]]:
-            cuts.append((index + j, start + a))
+    for j, t in enumerate(ids):
+        if t in cut_ids:
+            a, b = encoding.token_to_chars(j)  # not the unknown token's stand-in
+            if text[start + a : start + b] == cut_ids[t]:
+                cuts.append((index + j, start + a))
     if index:
         ids = kept[1][:index] + ids
         cuts = [c for c in kept[2] if c[0] < index] + cuts

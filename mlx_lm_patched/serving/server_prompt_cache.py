@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import json
     import logging
 
-    from mlx_lm.server_prompt_cache import _shared, encode_resumed, resumable
+    from mlx_lm.server_prompt_cache import encode_resumed, resumable
 
 
 class ResponseGenerator:
@@ -98,8 +98,7 @@ class ResponseGenerator:
                 messages, **{**kwargs, "tokenize": False}
             )
             known = [e for e in kept.values() if e[0] is not None]
-            base = max(known, key=lambda e: _shared(text, e[0]), default=None)
-            entry = (text, *encode_resumed(encoder, text, base))
+            entry = (text, *encode_resumed(encoder, text, known))
         kept[key] = entry
         while len(kept) > self.chat_tokens_kept:
             del kept[next(iter(kept))]
@@ -556,7 +555,6 @@ PATCH = Patch(
         "prompt_cache_dir",
         "log_timing",
         "resumable",
-        "_shared",
         "encode_resumed",
     )
     + targets("mlx_lm.server:ResponseGenerator", ResponseGenerator)

@@ -53,7 +53,7 @@ def _batch_checkpoints(cache, sinks, columns, S):
         taken.append(snap)
     cache.checkpoints = taken
     # Evaluated with the ring, its offsets too: ``extract`` reads them on
-    # the host (a sync a layer, 9-10 ms of an H200 agent turn, left lazy)
+    # the host (left lazy, each layer's extract computed them on the device)
     if new:
         cache.keys, cache.values = mx.depends([cache.keys, cache.values], new)
 

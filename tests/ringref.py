@@ -134,9 +134,14 @@ def eval_calls(monkeypatch):
     return calls
 
 
-def pipeline_calls(monkeypatch):
+def pipeline_calls(monkeypatch, shortest=256):
     """``(name, shapes)`` of each ``mx.async_eval`` and ``mx.eval`` call from
-    now on, in order; the pipeline starts afresh (no previous layer)."""
+    now on, in order; the pipeline starts afresh (no previous layer) and
+    schedules chunks of ``shortest`` tokens or more (tiny models' rings;
+    None: the default)."""
+    ring_buffer = sys.modules["mlx_lm.models.ring_buffer"]
+    if shortest is not None:
+        monkeypatch.setattr(ring_buffer, "PIPELINE_MIN", shortest)
     calls = []
     for name in ("eval", "async_eval"):
 
@@ -145,7 +150,7 @@ def pipeline_calls(monkeypatch):
             return _fn(*a, **k)
 
         monkeypatch.setattr(mx, name, record)
-    sys.modules["mlx_lm.models.ring_buffer"]._previous_layer.clear()
+    ring_buffer._previous_layer.clear()
     return calls
 
 

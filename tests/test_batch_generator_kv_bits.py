@@ -1,6 +1,8 @@
 """BatchGenerator(kv_bits=...): batched rows quantize when their single
 streams do and give their tokens."""
 
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
@@ -77,14 +79,16 @@ def test_a_batch_of_one_quantizes_when_generate_step_does(
 
 @pytest.mark.parametrize("max_kv_size", [None, 256])
 def test_the_call_that_quantizes_a_batch_holds_no_layer_s_full_precision_cache(
-    patched, exact_active_memory, max_kv_size
+    patched, exact_active_memory, max_kv_size, monkeypatch
 ):
     """A prefill chunk that takes the caches to ``quantized_kv_start``
     attends over its update in full precision but keeps each layer's
     quantized copy only: its peak is below the bfloat16 batch's by at least
     half its 16 layers' bfloat16 caches (holding them to the end of the
     call, it is above it: 22.4 against 21.8 layers' worth). With a ring the
-    chunk runs past it, and the quantized ring packs its keys."""
+    chunk runs past it, and the quantized ring packs its keys. The tiny
+    model's 300-token chunk is pipelined as a long one."""
+    monkeypatch.setattr(sys.modules["mlx_lm.models.ring_buffer"], "PIPELINE_MIN", 256)
     config = tiny.model_config(
         "llama", num_hidden_layers=16, head_dim=128, num_key_value_heads=2
     )

@@ -317,9 +317,7 @@ def test_a_forward_pass_of_a_batch_ring_with_short_chunks_has_no_sync(
 
 
 @pytest.mark.parametrize("right_padding", [False, True])
-def test_a_batch_ring_pipelines_chunks_of_256_tokens_or_more(
-    monkeypatch, right_padding
-):
+def test_a_batch_ring_pipelines_long_chunks(monkeypatch, right_padding):
     """Each layer's update of a long chunk, within the ring and past it, is
     scheduled, then waits for the previous layer's one-element marker."""
     config = tiny.model_config("llama", head_dim=64, hidden_size=128)

@@ -199,7 +199,7 @@ def test_a_forward_pass_of_short_chunks_past_the_ring_has_no_sync(monkeypatch, n
     assert len(evals) == 5
 
 
-def test_chunks_of_256_tokens_or_more_are_pipelined_a_layer_at_a_time(monkeypatch):
+def test_long_chunks_are_pipelined_a_layer_at_a_time(monkeypatch):
     """Each layer's update of a long chunk is scheduled, then waits for the
     previous layer's one-element marker, never for its own; shorter chunks
     and decode evaluate nothing."""
@@ -235,6 +235,7 @@ def test_a_pipelined_chunk_past_the_ring_holds_fewer_layers_in_flight(monkeypatc
     )
     model = tiny.build_model(config, dtype="bfloat16")
     cache_module = sys.modules["mlx_lm.models.cache"]
+    monkeypatch.setattr(sys.modules["mlx_lm.models.ring_buffer"], "PIPELINE_MIN", 256)
 
     def peak():
         cache = [RotatingKVCache(256, keep=4) for _ in model.layers]

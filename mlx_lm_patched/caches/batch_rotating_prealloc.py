@@ -5,8 +5,8 @@ per batch composition (``merge``, ``extend`` and ``filter`` change the number of
 rows, so they build a new ring); decode and chunks within the ring write into it
 in place. A chunk past the ring, and ``finalize`` after right padding, leave a
 ring of the same size copied from slices (each row's right-padding roll is known
-on the host): nothing is gathered. Chunks of 256 tokens or more are pipelined a
-layer at a time (``_pipeline``), nothing else is evaluated.
+on the host): nothing is gathered. Chunks of ``PIPELINE_MIN`` (1,024) tokens or
+more are pipelined a layer at a time (``_pipeline``), nothing else is evaluated.
 
 Rows keep their first ``keep`` tokens like ``RotatingKVCache(keep=...)`` does
 (upstream's batch cache has no ``keep``). With ``keep=0`` the saved state is

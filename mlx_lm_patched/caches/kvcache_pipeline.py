@@ -5,9 +5,10 @@ the chunk's whole graph at once, every layer's transients in flight
 together: on an H100 (Llama-8B shape, 2048-token chunks) 5.6-11 GiB above
 the cache itself, and a ``BatchGenerator`` chunk of 4 x 2,048 tokens
 10.3 GiB. Here their ``update_and_fetch`` ends with the rings' ``_pipeline``
-(``rotating_prealloc``): an update of 256 tokens or more is scheduled and
-waits for the previous layer's, so about two layers are in flight. Decode
-steps and short chunks are untouched; under ``mx.compile`` it does nothing.
+(``rotating_prealloc``): an update of ``PIPELINE_MIN`` (1,024) tokens or more
+is scheduled and waits for the previous layer's, so about two layers are in
+flight. Decode steps and shorter chunks are untouched; under ``mx.compile``
+it does nothing.
 """
 
 from typing import TYPE_CHECKING
@@ -63,8 +64,8 @@ class BatchKVCache:
 
 PATCH = Patch(
     "kvcache_pipeline",
-    "KVCache, BatchKVCache: a chunk of 256 tokens or more is pipelined a layer "
-    "at a time",
+    "KVCache, BatchKVCache: a chunk of 1024 tokens or more is pipelined a "
+    "layer at a time",
     targets("mlx_lm.models.cache", _grow)
     + targets("mlx_lm.models.cache:KVCache", KVCache)
     + targets("mlx_lm.models.cache:BatchKVCache", BatchKVCache),

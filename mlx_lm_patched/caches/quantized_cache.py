@@ -15,7 +15,7 @@ Here the cache:
   ``nbytes`` is what the buffers hold;
 - allocates once when told the final length (``reserve``), else grows by half
   its capacity, writing the old tokens into the new buffers (no concatenate);
-  a chunk of 256 tokens or more is pipelined a layer at a time, as
+  a chunk of 1,024 tokens or more is pipelined a layer at a time, as
   ``KVCache``'s (``kvcache_pipeline``);
 - saves upstream's five-item ``state``, which plain mlx-lm reads, and reads
   the quantized dtype and head dims back off the arrays, so
@@ -344,7 +344,7 @@ class _QuantizedKVCache:
 
 class _KVCache:
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
-        # The state set, not an update: an update of 256 tokens or more waits
+        # The state set, not an update: an update of 1,024 tokens or more waits
         # for the last layer's (_pipeline), 32 round trips to the GPU in all
         # (H200, Llama-8B shape, 2048 tokens: 5-6 ms of a 4k prefill's 0.12 s).
         quant_cache = QuantizedKVCache(group_size=group_size, bits=bits)

@@ -12,7 +12,7 @@ class TestPromptCache(unittest.TestCase):
             mx.async_eval = lambda *a: scheduled.append(len(a)) or schedule(*a)
             try:
                 caches = [make() for _ in range(3)]
-                for n in (300, 255, 1):  # a long chunk, a short one, a decode step
+                for n in (1024, 1023, 1):  # a long chunk, a short one, a decode step
                     x = mx.random.uniform(shape=(1, 2, n, 8))
                     for c in caches:
                         c.update_and_fetch(x, x)

@@ -101,15 +101,21 @@ def _schedule(arrays, chain: list):
 # The marker of the last layer ``_pipeline`` scheduled.
 _previous_layer = []
 
+# The shortest chunk ``_pipeline`` schedules. A shorter one (a chat or agent
+# turn) runs lazily, as upstream's: its waits cost more than they save.
+PIPELINE_MIN = 1024
+
 
 def _pipeline(arrays, chunk, chain=_previous_layer):
-    """Schedule a layer's update of a ``chunk`` of 256 tokens or more (its
-    ``arrays``) and wait for the previous layer's: lazily, MLX runs every
-    layer's ring copy last and holds every layer's transients until then.
-    On an H100 (Llama-8B shape, ring 4096, 2048-token chunks, 16,000 tokens)
-    a chunk past the ring peaked at 1.1 GiB instead of 6.4, the prefill in
-    0.51 s against 0.53 (an ``mx.eval`` a layer: 20% slower)."""
-    if chunk >= 256:
+    """Schedule a layer's update of a ``chunk`` of ``PIPELINE_MIN`` tokens or
+    more (its ``arrays``) and wait for the previous layer's: lazily, MLX runs
+    every layer's ring copy last and holds every layer's transients until
+    then. On an H100 (Llama-8B shape, ring 4096, 2048-token chunks, 16,000
+    tokens) a chunk past the ring peaked at 1.1 GiB instead of 6.4, the
+    prefill in 0.51 s against 0.53 (an ``mx.eval`` a layer: 20% slower); a
+    512-token chunk took 13-20 ms longer pipelined, at the same peak
+    (``docs/serving.md``)."""
+    if chunk >= PIPELINE_MIN:
         _schedule(arrays, chain)
 
 

@@ -1268,3 +1268,41 @@ def test_a_weights_digest_covers_every_byte_of_every_run(tmp_path):
     b.write_bytes(data + b"\0")
     seen.add(_file_digest(str(b), 1000))
     assert len(seen) == 7
+
+
+def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
+    load_tiny, tmp_path
+):
+    """With ``spill_at_once`` off (the server's), an insert queues nothing
+    (its state is made on the serving thread); ``spill_idle`` queues what
+    memory still holds as inserted, never a cache a request took and wrote
+    to since; an entry memory evicts is queued as it leaves."""
+    model, _ = load_tiny("llama")
+    first, second = [1] + PROMPT[:200], [2] + PROMPT[:200]
+    lru = disk_lru(tmp_path)
+    lru.spill_at_once = False
+    for tokens in (first, second):
+        lru.insert_cache(MODEL, tokens, prefilled(model, tokens))
+    assert lru.disk.queued == 0 and len(lru.disk) == 0
+    taken, rest = lru.fetch_nearest_cache(MODEL, second + EXTRA)
+    model(mx.array(rest)[None], cache=taken)  # the request writes to it
+    lru.spill_idle()
+    lru.disk.close()
+    tier = disk(tmp_path)
+    restored, rest = tier.get(MODEL, first + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(prefilled(model, first)))
+    restored, rest = tier.get(MODEL, second + EXTRA)
+    assert restored is None or same(live(restored), live(prefilled(model, second)))
+
+    evicting = disk_lru(tmp_path / "evicting", max_size=1)
+    evicting.spill_at_once = False
+    lock = DirectoryHeld(tmp_path / "evicting")
+    try:
+        for tokens in (first, second):
+            evicting.insert_cache(MODEL, tokens, prefilled(model, tokens))
+        assert evicting.disk.queued == 1  # the first, as memory evicted it
+    finally:
+        lock.release()
+    evicting.spill_idle()  # the second: memory holds it
+    evicting.disk.close()
+    assert len(files(tmp_path / "evicting")) == 2

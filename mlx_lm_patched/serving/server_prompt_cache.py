@@ -20,7 +20,10 @@ dequantized when a request takes one, so requests compute at their own
 precision.
 
 ``--prompt-cache-dir DIR`` gives the prompt cache a disk tier
-(``prompt_cache_disk``): every entry memory stores is queued at once and
+(``prompt_cache_disk``): the entries memory stored are queued once no
+request has come for 0.1 s (``spill_idle``: a put made the entry's state
+on the generation thread, which the next request of an agent loop waited
+for), newest first, those still held as stored, and
 written to DIR by a background thread (``--prompt-cache-queue-bytes``,
 default 1G, bounds the queue; what does not fit is not written, and the
 log counts it), read back where memory has less of a prompt, and found
@@ -153,21 +156,28 @@ _GENERATE = """\
 +                time.perf_counter() - at
 +            )
 +
-@@ -53,2 +70,3 @@
+@@ -37,2 +54,6 @@
+             request = get_next_request(timeout=timeout)
++            if request is None and not batch_results:
++                # Idle 0.1 s: the disk tier queues what memory took since
++                if hasattr(self.prompt_cache, "spill_idle"):
++                    self.prompt_cache.spill_idle()
+ 
+@@ -53,2 +74,3 @@
              ):
 +                timing = {"start": time.perf_counter()}
                  try:
-@@ -56,4 +74,5 @@
+@@ -56,4 +78,5 @@
                          self._tokenize(current_tokenizer, request, args)
                      )
 +                    timing["tokenize"] = time.perf_counter()
                  except Exception as e:
                      rqueue.put(e)
-@@ -68,2 +87,3 @@
+@@ -68,2 +91,3 @@
                  self._log_cache_stats()
 +                timing["prepare"] = time.perf_counter()
                  cache, rest = self.prompt_cache.fetch_nearest_cache(
-@@ -71,2 +91,10 @@
+@@ -71,2 +95,10 @@
                  )
 +                if cache is None:  # rings with the server's slack, checkpoints
 +                    cache = make_prompt_cache(
@@ -178,13 +188,13 @@ _GENERATE = """\
 +                    )
 +                timing["fetch"] = time.perf_counter()
                  prompt_cache_count = len(prompt) - len(rest)
-@@ -107,3 +135,5 @@
+@@ -107,3 +139,5 @@
                      "top_logprobs": args.top_logprobs,
 +                    "timing": timing,
                  }
 +                timing["insert"] = time.perf_counter()
                  # just making sure we don't leave a reference around
-@@ -111,6 +141,3 @@
+@@ -111,6 +145,3 @@
  
 -                if self.model_provider.cli_args.prompt_cache_bytes is not None:
 -                    total = self.model_provider.cli_args.prompt_cache_bytes
@@ -192,13 +202,13 @@ _GENERATE = """\
 -                    self.prompt_cache.trim_to(n_bytes=total - active)
 +                hold_prompt_cache_bytes()
                  continue
-@@ -147,2 +174,5 @@
+@@ -147,2 +178,5 @@
                  )
 +                # The disk tier's cost model reads how fast it prefills.
 +                if hasattr(self.prompt_cache, "prefill_counters"):
 +                    self.prompt_cache.prefill_counters = batch_generator._counters
                  unprocessed_requests.append((rqueue, request, args))
-@@ -192,7 +222,10 @@
+@@ -192,7 +226,10 @@
                  for uid, (cache, cache_key) in caches.items():
 -                    self.prompt_cache.insert_cache(
 -                        self.model_provider.model_key,
@@ -214,33 +224,33 @@ _GENERATE = """\
 +                            batch_results[uid]["segment_types"].pop(),
 +                        )
                      )
-@@ -202,2 +235,3 @@
+@@ -202,2 +239,3 @@
                      result = batch_results[r.uid]
 +                    log_timing(result["timing"], "first_token")
  
-@@ -228,2 +262,6 @@
+@@ -228,2 +266,6 @@
                      )
 +                    if text or r.finish_reason is not None:
 +                        # Once the client has text: a first token without
 +                        # any waits for the next step, which they would delay
 +                        store_segments(result)
  
-@@ -231,2 +266,3 @@
+@@ -231,2 +270,3 @@
                          result["rqueue"].put(None)
 +                        result["timing"]["done"] = time.perf_counter()
                          self.prompt_cache.insert_cache(
-@@ -237,2 +273,3 @@
+@@ -237,2 +277,3 @@
                          )
 +                        log_timing(result["timing"], "store")
                          del batch_results[r.uid]
-@@ -240,4 +277,6 @@
+@@ -240,4 +281,6 @@
                      if result["ctx"]._should_stop:
                          uids_to_remove.append(r.uid)
  
 +                hold_prompt_cache_bytes()
 +
              uids_to_remove = self._share_object(uids_to_remove)
-@@ -248,3 +287,6 @@
+@@ -248,3 +291,6 @@
                      # generation
 -                    batch_results.pop(uid, None)
 +                    store_segments(batch_results.pop(uid, {}))
@@ -450,7 +460,7 @@ _MAIN = """\
 
 # run: the prompt cache built with its byte budget, bits and disk tier.
 _RUN = """\
-@@ -8,4 +8,58 @@
+@@ -8,4 +8,60 @@
      group = mx.distributed.init()
 -    prompt_cache = LRUPromptCache(model_provider.cli_args.prompt_cache_size)
 +    cli_args = model_provider.cli_args
@@ -486,6 +496,8 @@ _RUN = """\
 +            )
 +        )
 +        prompt_cache = DiskLRUPromptCache(disk, cli_args.prompt_cache_size, **at_rest)
++        # Queued for the disk while no request waits (_generate: spill_idle)
++        prompt_cache.spill_at_once = False
 +        # The weights' digest (entries' model key) is read on a thread from
 +        # now, not by the first request (an 8B model's 16 GB: 14 s on an
 +        # H200's host); requests miss the disk tier until it is known.
@@ -510,12 +522,12 @@ _RUN = """\
      response_generator = ResponseGenerator(model_provider, prompt_cache)
 +    # Stopped by SIGTERM as on Ctrl-C (server_http).
      if group.rank() == 0:
-@@ -14,1 +68,21 @@
+@@ -14,1 +70,21 @@
          response_generator.join()
 +    if cli_args.prompt_cache_dir is not None:
 +        # Stopped: what is queued and what memory holds are written, in a
 +        # bounded time (memory's only once the generation thread is done
-+        # with it: its entries are queued as they are made).
++        # with it: its entries are queued when it idles).
 +        if not response_generator._generation_thread.is_alive():
 +            prompt_cache.trim_to(n_sequences=0)
 +        queued, *before = disk.tally()
@@ -539,7 +551,8 @@ _RUN = """\
 PATCH = Patch(
     "server_prompt_cache",
     "server: --prompt-cache-bytes holds on every insert and after every batch "
-    "step; --prompt-cache-dir writes prompt caches to disk as they are made, "
+    "step; --prompt-cache-dir writes prompt caches to disk when the server "
+    "idles, "
     "drained on SIGTERM and Ctrl-C; the log shows both tiers; "
     "--prompt-cache-bits keeps them quantized at rest; files 0600 "
     "(--prompt-cache-mode); a start-up line with the entries found and the "

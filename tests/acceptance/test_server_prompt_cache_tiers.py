@@ -172,6 +172,7 @@ def test_a_write_the_queue_has_no_room_for_is_counted_in_the_log(model_dir, tmp_
             fcntl.flock(fd, fcntl.LOCK_EX)
             for prompt in PROMPTS[:2]:
                 complete(server, prompt)
+                time.sleep(0.5)  # idle: the server queues what it stored
             complete(server, PROMPTS[2])  # its stats line counts the drops
         finally:
             os.close(fd)

@@ -568,6 +568,30 @@ def test_serve_bench_times_every_scenario_and_side_over_http(tmp_path):
     assert " - DEBUG - " in (tmp_path / "upstream-run0.log").read_text()
 
 
+def test_serve_bench_waits_for_the_disk_tier_s_queue_not_only_a_quiet_directory(
+    tmp_path,
+):
+    """Before a kill -9 the restart scenario waits until the server's log
+    says nothing is left queued: a large entry's copy to host kept the
+    directory unchanged for longer than ``--settle`` while it was still to
+    be written (an H200 run lost it)."""
+    from mlx_lm_patched.bench._serve import Server, snapshot, wait_written
+
+    before = snapshot(tmp_path)
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    log = tmp_path / "server.log"
+    log.write_text("INFO - Prompt cache: wrote an entry (1 B), 1 queued\n")
+    server = Server("front", "model", [], log)
+    assert not wait_written(tmp_path, before, 0.05, timeout=0.3, server=server)
+    with open(log, "a") as f:
+        f.write("INFO - Prompt cache: wrote an entry (2 B), 0 queued\n")
+    assert wait_written(tmp_path, before, 0.05, timeout=0.3, server=server)
+    # Only what the log says after the mark counts.
+    log.write_text("INFO - Prompt cache: wrote an entry (1 B), 1 queued\n")
+    mark = server.mark()
+    assert wait_written(tmp_path, before, 0.05, timeout=0.3, server=server, mark=mark)
+
+
 def test_serve_bench_reads_both_servers_logs_and_takes_medians_of_runs():
     from mlx_lm_patched.bench._serve import log_figures, merge
 

@@ -1275,8 +1275,8 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
 ):
     """With ``spill_at_once`` off (the server's), an insert queues nothing
     (its state is made on the serving thread); ``spill_idle`` queues what
-    memory still holds as inserted, never a cache a request took and wrote
-    to since; an entry memory evicts is queued as it leaves."""
+    memory holds as stored, never the cache a request fetched and wrote to
+    since; an entry memory evicts is queued as it leaves."""
     model, _ = load_tiny("llama")
     first, second = [1] + PROMPT[:200], [2] + PROMPT[:200]
     lru = disk_lru(tmp_path)
@@ -1306,3 +1306,27 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
     evicting.spill_idle()  # the second: memory holds it
     evicting.disk.close()
     assert len(files(tmp_path / "evicting")) == 2
+
+
+def test_a_prefix_a_longer_entry_replaced_is_freed_before_the_server_idles(
+    load_tiny, tmp_path
+):
+    """Entries wait in memory for ``spill_idle``, but not the prefixes memory
+    drops for a longer trimmable entry: a busy server would hold them past
+    its budget. The longer one is written, and serves the prefix."""
+    import gc
+    import weakref
+
+    model, _ = load_tiny("llama")
+    first, longer = PROMPT[:200], PROMPT[:300]
+    lru = disk_lru(tmp_path)
+    lru.spill_at_once = False
+    lru.insert_cache(MODEL, first, prefilled(model, first))
+    dropped = weakref.ref(lru._trie.get(MODEL, first))
+    lru.insert_cache(MODEL, longer, prefilled(model, longer))
+    gc.collect()
+    assert dropped() is None and len(lru) == 1
+    lru.spill_idle()
+    lru.disk.close()
+    restored, rest = disk(tmp_path).get(MODEL, first + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(prefilled(model, first)))

@@ -232,17 +232,24 @@ def snapshot(directory):
     )
 
 
-def wait_written(directory, before, settle=1.0, timeout=120):
+# The disk tier's line as it takes an entry off its queue.
+QUEUED = re.compile(r"Prompt cache: (?:wrote|did not write) an entry .*, (\d+) queued")
+
+
+def wait_written(directory, before, settle=1.0, timeout=120, server=None, mark=0):
     """Wait until ``directory`` holds something ``before`` did not, no
-    temporary file, and nothing changed for ``settle`` seconds: the disk
-    tier wrote what it had queued (then a kill -9 loses nothing)."""
+    temporary file, nothing changed for ``settle`` seconds and, with
+    ``server``, its log since ``mark`` saying nothing is left queued: the
+    disk tier wrote what it had queued (then a kill -9 loses nothing; a
+    large entry's copy to host can outlast ``settle``)."""
     deadline = time.monotonic() + timeout
     last = snapshot(directory)
     while time.monotonic() < deadline:
         time.sleep(settle)
         now = snapshot(directory)
         written = now != before and not any(n.endswith(".tmp") for n, _ in now)
-        if written and now == last:
+        left = QUEUED.findall(server.since(mark)) if server is not None else []
+        if written and now == last and (not left or left[-1] == "0"):
             return True
         last = now
     return False

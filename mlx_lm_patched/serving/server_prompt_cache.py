@@ -23,7 +23,7 @@ precision.
 (``prompt_cache_disk``): the entries memory stored are queued once no
 request has come for 0.1 s (``spill_idle``: a put made the entry's state
 on the generation thread, which the next request of an agent loop waited
-for), newest first, those still held as stored, and
+for), newest first, those memory still holds, and
 written to DIR by a background thread (``--prompt-cache-queue-bytes``,
 default 1G, bounds the queue; what does not fit is not written, and the
 log counts it), read back where memory has less of a prompt, and found

@@ -190,6 +190,12 @@ class DiskPromptCache(PromptBlockDir):
                         self.written += 1
                     else:
                         self.dropped += 1
+                    left = len(self._pending)
+                # What is still queued: a kill -9 loses it
+                wrote = "wrote" if done else "did not write"
+                logging.info(
+                    f"Prompt cache: {wrote} an entry ({nbytes} B), {left} queued"
+                )
             except Exception as e:
                 logging.warning(f"[prompt cache] after writing {name}: {e!r}")
             finally:
@@ -540,20 +546,25 @@ class DiskLRUPromptCache(LRUPromptCache):
             return
         if self.spill_at_once:
             self._spill(model, tokens, entry)
-        else:
-            self._unspilled[model, tuple(tokens)] = entry
+            return
+        self._unspilled[model, tuple(tokens)] = entry
+        # Not the prefixes the insert dropped: they would outlive memory's
+        for key in [k for k, e in self._unspilled.items() if not self._holds(k, e)]:
+            del self._unspilled[key]
+
+    def _holds(self, key, entry) -> bool:
+        """Whether memory holds ``entry`` as stored under ``key``."""
+        try:
+            return self._trie.get(key[0], list(key[1])) is entry
+        except KeyError:
+            return False
 
     def spill_idle(self):
-        """Queue the entries inserted since the last call, newest first: those
-        memory still holds as inserted (one fetched for a request is the
-        request's, its buffers written in place)."""
+        """Queue the entries inserted since the last call that memory still
+        holds as stored, newest first."""
         while self._unspilled:
             (model, tokens), entry = self._unspilled.popitem()
-            try:
-                held = self._trie.get(model, list(tokens))
-            except KeyError:
-                continue
-            if held is entry:
+            if self._holds((model, tokens), entry):
                 self._spill(model, list(tokens), entry)
 
     def _evict(self):

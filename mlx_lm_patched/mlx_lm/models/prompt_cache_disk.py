@@ -547,10 +547,14 @@ class DiskLRUPromptCache(LRUPromptCache):
         if self.spill_at_once:
             self._spill(model, tokens, entry)
             return
-        self._unspilled[model, tuple(tokens)] = entry
+        new = tuple(tokens)
+        self._unspilled[model, new] = entry
         # Not the prefixes the insert dropped: they would outlive memory's
-        for key in [k for k, e in self._unspilled.items() if not self._holds(k, e)]:
-            del self._unspilled[key]
+        for key in [
+            k for k in self._unspilled if k[0] == model and new[: len(k[1])] == k[1]
+        ]:
+            if key[1] != new and not self._holds(key, self._unspilled[key]):
+                del self._unspilled[key]
 
     def _holds(self, key, entry) -> bool:
         """Whether memory holds ``entry`` as stored under ``key``."""

@@ -465,7 +465,7 @@ class DiskLRUPromptCache(LRUPromptCache):
             self, max_size, max_bytes, bits=bits, group_size=group_size
         )
         self.disk = disk
-        self._unspilled = {}  # (model, tokens): entry, inserted, not queued
+        self._unspilled = {}  # (model, tokens) inserted, not queued: in order
         self.prefill_counters = None
         self._counted = (None, 0, 0.0)  # counters, tokens and seconds seen
         # [tokens, seconds], each older weighing half; from the directory's
@@ -546,34 +546,24 @@ class DiskLRUPromptCache(LRUPromptCache):
             return
         if self.spill_at_once:
             self._spill(model, tokens, entry)
-            return
-        new = tuple(tokens)
-        self._unspilled[model, new] = entry
-        # Not the prefixes the insert dropped: they would outlive memory's
-        for key in [
-            k for k in self._unspilled if k[0] == model and new[: len(k[1])] == k[1]
-        ]:
-            if key[1] != new and not self._holds(key, self._unspilled[key]):
-                del self._unspilled[key]
-
-    def _holds(self, key, entry) -> bool:
-        """Whether memory holds ``entry`` as stored under ``key``."""
-        try:
-            return self._trie.get(key[0], list(key[1])) is entry
-        except KeyError:
-            return False
+        else:  # the key only: an entry memory drops meanwhile is freed
+            key = (model, tuple(tokens))
+            self._unspilled.pop(key, None)
+            self._unspilled[key] = None
 
     def spill_idle(self):
         """Queue the entries inserted since the last call that memory still
-        holds as stored, newest first."""
+        holds, newest first (a fetch copies an entry: it is as stored)."""
         while self._unspilled:
-            (model, tokens), entry = self._unspilled.popitem()
-            if self._holds((model, tokens), entry):
-                self._spill(model, list(tokens), entry)
+            (model, tokens), _ = self._unspilled.popitem()
+            try:
+                entry = self._trie.get(model, list(tokens))
+            except KeyError:  # evicted (queued then) or dropped
+                continue
+            self._spill(model, list(tokens), entry)
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)
-        self._unspilled.pop((model, tuple(tokens)), None)
         self._spill(model, tokens, entry)  # nothing if it is on disk already
         return model, tokens, entry
 

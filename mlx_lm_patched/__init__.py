@@ -37,6 +37,7 @@ from .caches import (
 )
 from .generation import (
     batch_generator_kv_bits,
+    first_token_early,
     generate_kv_checks,
     prompt_batch_split,
     speculative_bounded,
@@ -116,6 +117,7 @@ MODULES = (
     prompt_trie_search,  # cache.py: PromptTrie.search in linear time
     server_warmup,  # server.py: made-up tokens served once at start
     prompt_batch_split,  # generate.py: a split of every row moves the batch
+    first_token_early,  # generate.py: a row's first token before the next step
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

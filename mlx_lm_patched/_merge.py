@@ -191,7 +191,8 @@ def compile_merged(
     """The object ``source`` defines as ``name``, compiled in ``namespace``
     (an upstream module's); the source is kept in ``linecache`` under a file
     name saying what it is. A method using ``super()`` is compiled in a class
-    body and bound to ``cls``."""
+    body and bound to ``cls``; a method's annotations see ``cls``'s names, as
+    in its class body (``-> List[Response]``)."""
     wrap = cls is not None and "super(" in source
     if wrap:
         source = f"class {cls.__name__}:\n" + "".join(
@@ -200,7 +201,7 @@ def compile_merged(
     filename = f"<mlx_lm_patched: {where}, {fingerprint_source(source)}>"
     lines = source.splitlines(True)
     linecache.cache[filename] = (len(source), None, lines, filename)
-    local: Dict[str, Any] = {}
+    local: Dict[str, Any] = dict(vars(cls)) if cls is not None and not wrap else {}
     exec(compile(source, filename, "exec"), namespace, local)
     obj = vars(local[cls.__name__])[name] if wrap else local[name]
     for fn in functions(obj) if cls is not None else ():

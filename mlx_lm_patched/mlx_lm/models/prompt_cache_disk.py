@@ -555,12 +555,13 @@ class DiskLRUPromptCache(LRUPromptCache):
         """Queue the entries inserted since the last call that memory still
         holds, newest first (a fetch copies an entry: it is as stored)."""
         while self._unspilled:
-            (model, tokens), _ = self._unspilled.popitem()
+            (model, key), _ = self._unspilled.popitem()
+            tokens = list(key)
             try:
-                entry = self._trie.get(model, list(tokens))
+                entry = self._trie.get(model, tokens)
             except KeyError:  # evicted (queued then) or dropped
                 continue
-            self._spill(model, list(tokens), entry)
+            self._spill(model, tokens, entry)
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)

@@ -374,3 +374,29 @@ def test_the_same_tokens_again_keep_the_entry_held(patched):
     replaced = lru._trie.get("m", [1, 2, 3])
     assert replaced is not held and replaced.cache_type == "assistant"
     assert len(lru) == 1 and lru.stats_by_type()["user"]["n_sequences"] == 0
+
+
+def test_a_batch_row_s_ring_is_stored_as_extract_copied_it(patched):
+    """The server stores every request's cache at its end, a row that
+    ``BatchRotatingKVCache.extract`` copied out with only its live tokens:
+    the entry keeps those arrays rather than copying them again (a working
+    ring's buffer is still copied to its live tokens), and writing the row
+    afterwards leaves the entry as it was."""
+    rows = [RotatingKVCache(64, keep=4, slack=4) for _ in range(2)]
+    for c, n in zip(rows, (80, 50)):
+        fed(c, [n])
+    row = BatchRotatingKVCache.merge(rows).extract(0)
+    working = RotatingKVCache(64, keep=4)
+    fed(working, [40])
+    lru = LRUPromptCache()
+    for c in (row, working):
+        lru.insert_cache("m", tokens_of(c), [c])
+    (held,) = lru._trie.get("m", tokens_of(row)).prompt_cache
+    (copied,) = lru._trie.get("m", tokens_of(working)).prompt_cache
+    for name in ("keys", "values", "_undo_keys", "_undo_values"):
+        assert getattr(held, name) is getattr(row, name)
+    assert copied.keys is not working.keys and copied.keys.shape[2] == 40
+    want = [mx.array(x) for x in held.state[:2]]
+    fed(row, [3])
+    (got,), rest = lru.fetch_nearest_cache("m", tokens_of(held))
+    assert rest == [] and same(got.state[:2], want)

@@ -246,9 +246,12 @@ class LRUPromptCache:
 
     def _at_rest(self, cache):
         """A copy of ``cache``'s live tokens as an entry keeps them, lazy
-        (``insert_cache`` schedules them)."""
+        (``insert_cache`` schedules them). An array of the cache's own that
+        holds only live tokens (a row a batch's ``extract`` copied out, as
+        the server stores at every request's end) is kept, not copied again."""
         if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
-            return _copy_cache(cache, mx.array)
+            own = {id(x) for x in vars(cache).values() if isinstance(x, mx.array)}
+            return _copy_cache(cache, lambda x: x if id(x) in own else mx.array(x))
         live = _copy_cache(cache, copy.copy)  # shares the buffers
         return live.to_quantized(group_size=self.group_size, bits=self.bits)
 

@@ -248,10 +248,14 @@ class LRUPromptCache:
         """A copy of ``cache``'s live tokens as an entry keeps them, lazy
         (``insert_cache`` schedules them). An array of the cache's own that
         holds only live tokens (a row a batch's ``extract`` copied out, as
-        the server stores at every request's end) is kept, not copied again."""
+        the server stores at every request's end) is shared, not copied
+        again: a new array object on its buffer, as a fetch hands out (an
+        in-place write to the cache's array changes that object only)."""
         if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
             own = {id(x) for x in vars(cache).values() if isinstance(x, mx.array)}
-            return _copy_cache(cache, lambda x: x if id(x) in own else mx.array(x))
+            return _copy_cache(
+                cache, lambda x: copy.copy(x) if id(x) in own else mx.array(x)
+            )
         live = _copy_cache(cache, copy.copy)  # shares the buffers
         return live.to_quantized(group_size=self.group_size, bits=self.bits)
 

@@ -1012,6 +1012,35 @@ def test_a_restarted_tier_starts_from_the_rates_measured_before(load_tiny, tmp_p
         assert fresh.prefill_rate is None and fresh.disk.read_rate == 2e9
 
 
+def test_probe_read_measures_the_smallest_entry_worth_a_rate_once(
+    load_tiny, tmp_path, monkeypatch
+):
+    """A restarted tier that never measured a restore reads one entry of
+    ``read_min_bytes`` or more (the smallest) and keeps its rate; one that
+    measured a rate, or holds no entry that large, reads nothing."""
+    from mlx_lm.models.prompt_cache_disk import DiskPromptCache
+
+    model, _ = load_tiny("llama")
+    short, long = PROMPT[:100], PROMPT
+    written(tmp_path, (short, prefilled(model, short)), (long, prefilled(model, long)))
+    tier = disk(tmp_path)
+    sizes = sorted(tier._entry_bytes(name) for name in tier._files)
+    loads = []
+    load = tier._load
+    monkeypatch.setattr(tier, "_load", lambda name: loads.append(name) or load(name))
+    monkeypatch.setattr(DiskPromptCache, "read_min_bytes", sizes[1] + 1)
+    assert tier.probe_read() is False and loads == []
+    assert tier.read_rate == tier.read_prior
+
+    monkeypatch.setattr(DiskPromptCache, "read_min_bytes", sizes[0])
+    assert tier.probe_read() is True and len(loads) == 1
+    assert tier.last_read[0] == sizes[0]  # the shorter entry's
+    assert tier.read_rate == sizes[0] / tier.last_read[1] != tier.read_prior
+    assert tier.probe_read() is False and len(loads) == 1
+    tier.close()
+    assert disk(tmp_path).probe_read() is False  # the rate kept in the directory
+
+
 def test_prefill_rate_is_read_from_a_batch_generators_counters(tmp_path):
     from mlx_lm.generate_utils import BatchCounters
 

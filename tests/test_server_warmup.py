@@ -13,9 +13,10 @@ import mlx.core as mx
 from ringref import cli_args, free_port
 
 
-def warm_up(model, monkeypatch, caplog, **flags):
-    """``_warm_up`` of a generator serving ``model`` with ``flags``: the
-    cached-token counts of its fetches, and what it logged."""
+def warm_up(model, monkeypatch, caplog, prompt_cache=None, **flags):
+    """``_warm_up`` of a generator serving ``model`` with ``flags`` (and
+    ``prompt_cache``, else a new ``LRUPromptCache``): the cached-token
+    counts of its fetches, and what it logged."""
     import mlx_lm.server as server
 
     fetched = []
@@ -32,7 +33,7 @@ def warm_up(model, monkeypatch, caplog, **flags):
     generator = SimpleNamespace(
         model_provider=SimpleNamespace(model=model, is_batchable=True),
         cli_args=args,
-        prompt_cache=server.LRUPromptCache(),
+        prompt_cache=server.LRUPromptCache() if prompt_cache is None else prompt_cache,
     )
     with caplog.at_level(logging.INFO):
         server.ResponseGenerator._warm_up(generator, mx.default_stream(mx.cpu))
@@ -76,6 +77,33 @@ def test_a_warm_up_that_fails_is_logged_and_returns(
     monkeypatch.setattr(model, "__class__", Broken)
     _, log = warm_up(model, monkeypatch, caplog, warmup_tokens=40)
     assert "Warm-up failed, serving without it" in log and "no kernels today" in log
+
+
+def test_the_warm_up_measures_a_disk_read_where_none_was_measured(
+    patched, load_tiny, monkeypatch, caplog, tmp_path
+):
+    """A restart whose disk tier never measured a restore reads an entry
+    before the first request (``probe_read``), so the first hit's cost model
+    knows what a read takes; a warm-up that knows it reads nothing."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
+
+    model, _ = load_tiny("llama")
+    tokens, cache = list(range(3, 203)), make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    tier = DiskPromptCache(str(tmp_path))
+    tier.put(("tiny", None, None), tokens, cache)
+    tier.flush()
+    tier.close()
+    monkeypatch.setattr(DiskPromptCache, "read_min_bytes", 1)
+    store = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    assert store.disk.read_rate == store.disk.read_prior
+    _, log = warm_up(model, monkeypatch, caplog, store, warmup_tokens=40)
+    assert "the prompt cache's disk tier read" in log
+    assert store.disk.read_rate != store.disk.read_prior
+    caplog.clear()
+    _, log = warm_up(model, monkeypatch, caplog, store, warmup_tokens=40)
+    assert "Warm-up: 40" in log and "disk tier read" not in log
 
 
 def test_the_server_warms_up_before_its_first_request_which_finds_no_entry(

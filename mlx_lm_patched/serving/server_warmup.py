@@ -11,7 +11,10 @@ window of the model's caches plus 256, at most 4,352) through a
 (quantized at rest where the server's is), in two segments, then the same
 prompt again (a hit) and once more with 64 tokens added (a hit that
 prefills), two tokens generated each time. Its caches are dropped: the
-server's prompt cache and disk tier never see them. ``--warmup-tokens 0``
+server's prompt cache and disk tier never see them. Then, if the disk tier
+(``--prompt-cache-dir``) never measured a restore, it restores one entry
+and drops it (``probe_read``): the first hit after a restart is chosen by
+what a read takes on this machine, not by a prior. ``--warmup-tokens 0``
 turns it off; a warm-up that fails is logged and the server serves on.
 """
 
@@ -94,11 +97,18 @@ class ResponseGenerator:
                     _serve_once(generator, store, tokens, model, options)
             finally:
                 generator.close()
+            disk = getattr(self.prompt_cache, "disk", None)
+            probed = disk is not None and disk.probe_read()
         except Exception as e:
             logging.warning(f"Warm-up failed, serving without it: {e!r}")
             return
         seconds = time.perf_counter() - start
         logging.info(f"Warm-up: {n} made-up tokens served in {seconds:.2f} s")
+        if probed:
+            read, took = disk.last_read
+            logging.info(
+                f"Warm-up: the prompt cache's disk tier read {read} B in {took:.2f} s"
+            )
 
 
 # ResponseGenerator._generate: the warm-up once the default model is loaded.

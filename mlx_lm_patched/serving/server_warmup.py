@@ -97,12 +97,12 @@ class ResponseGenerator:
                     _serve_once(generator, store, tokens, model, options)
             finally:
                 generator.close()
+            seconds = time.perf_counter() - start
             disk = getattr(self.prompt_cache, "disk", None)
             probed = disk is not None and disk.probe_read()
         except Exception as e:
             logging.warning(f"Warm-up failed, serving without it: {e!r}")
             return
-        seconds = time.perf_counter() - start
         logging.info(f"Warm-up: {n} made-up tokens served in {seconds:.2f} s")
         if probed:
             read, took = disk.last_read

@@ -193,15 +193,18 @@ def test_quantized_entries_share_their_blocks(patched, bits):
         convs = [(t, [c[0].to_quantized(group_size=32, bits=4)]) for t, c in convs]
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
+    if bits:  # the newest at rest too, none evicted
+        lru.trim_to(n_bytes=lru.nbytes - 1)
     entries = [lru._trie.get("m", t).prompt_cache[0] for t, _ in convs]
     assert all(type(e.template) is QuantizedKVCache for e in entries)
     # The prefix's whole blocks once, then each entry's own tokens.
-    whole = lru._at_rest(convs[0][1][0]).nbytes  # 340 tokens, bytes per token alike
+    at_rest = lambda c: lru._quantized([lru._at_rest(c)])[0]
+    whole = at_rest(convs[0][1][0]).nbytes  # 340 tokens, bytes per token alike
     shared = 300 // SIZE * SIZE
     assert lru.nbytes * 340 == whole * (shared + 4 * (340 - shared))
     for tokens, cache in convs:
         (got,), _ = lru.fetch_nearest_cache("m", tokens)
-        want = lru._at_rest(cache[0])
+        want = at_rest(cache[0])
         if bits is None:
             assert same(got.state, want.state)
         else:  # dequantized from the 8-bit blocks

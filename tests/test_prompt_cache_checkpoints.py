@@ -409,6 +409,7 @@ def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny):
     prefill(model, FIRST, cache)
     store = LRUPromptCache(bits=8)
     store.insert_cache("m", FIRST, cache)
+    store.trim_to(n_bytes=store.nbytes - 1)  # the newest quantized, not evicted
     rings = [c for c in store._trie.get("m", FIRST).prompt_cache if hasattr(c, "bits")]
     assert len(rings) == sum(isinstance(c, RotatingKVCache) for c in cache)
     assert all([x.offset for x in c.checkpoints] == [512, 1024] for c in rings)
@@ -422,6 +423,7 @@ def test_an_entry_quantized_at_rest_keeps_quantized_checkpoints(load_tiny):
     prefill(model, FIRST[:1024], short)
     alike = LRUPromptCache(bits=8)
     alike.insert_cache("m", FIRST[:1024], short)
+    alike.trim_to(n_bytes=alike.nbytes - 1)
     want = prefill(model, rest, alike.fetch_nearest_cache("m", FIRST[:1024])[0])
     assert mx.array_equal(got, want).item()
 

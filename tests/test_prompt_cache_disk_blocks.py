@@ -515,8 +515,9 @@ def test_a_tampered_missing_or_foreign_block_is_a_miss_with_a_warning(
 @pytest.mark.parametrize("bits", [None, 8])
 def test_quantized_caches_and_entries_at_rest_are_blocks_too(bits, tmp_path):
     """Working caches quantized (``--kv-bits 4``) or entries quantized at
-    rest (``bits=8``): their blocks are block files, and a restart reads
-    the entry back as memory held it."""
+    rest (``bits=8``, also the entry not quantized yet): their blocks are
+    block files, and a restart reads the entry back as memory holds it at
+    rest."""
     mx.random.seed(7)
     convs = conversations(2, 200, 30)
     if bits is None:
@@ -525,6 +526,8 @@ def test_quantized_caches_and_entries_at_rest_are_blocks_too(bits, tmp_path):
     lru = stored(tmp_path, convs, bits=bits, group_size=32)
     assert len(blocks(tmp_path)) == 200 // SIZE and len(entries(tmp_path)) == 2
     lru.disk.close()
+    if bits:  # the newest quantized in memory too, as its files hold it
+        lru.trim_to(n_bytes=lru.nbytes - 1)
     again = DiskPromptCache(str(tmp_path))
     for tokens, _ in convs:
         got, _ = again.get("m", tokens)

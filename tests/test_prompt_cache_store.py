@@ -234,11 +234,19 @@ def test_every_eviction_goes_through_evict(patched):
     assert (stats["user"]["n_bytes"], stats["assistant"]["n_bytes"]) == (entry, 0)
 
 
+def settle(store):
+    """Quantize ``store``'s entries as a byte budget that needs room does."""
+    n = len(store)
+    store.trim_to(n_bytes=store.nbytes - 1)
+    assert len(store) == n  # quantized, none evicted
+
+
 @pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
 def test_entries_quantized_at_rest_take_a_fraction_of_the_bf16_bytes(bits, most):
-    """Quantized at rest: 8-bit entries at most 0.55x, 4-bit at most 0.30x of
-    bfloat16's bytes; a fetch gives back a bfloat16 ``KVCache`` holding what
-    ``mx.quantize``/``mx.dequantize`` make of the tokens, bit for bit."""
+    """Quantized at rest: 8-bit entries take at most 0.55x, 4-bit at most
+    0.30x of bfloat16's bytes; a fetch gives back a
+    bfloat16 ``KVCache`` holding what ``mx.quantize``/``mx.dequantize``
+    make of the tokens, bit for bit."""
     plain, at_rest = LRUPromptCache(), LRUPromptCache(bits=bits, group_size=64)
     cache = [KVCache() for _ in range(2)]
     for c in cache:
@@ -247,6 +255,7 @@ def test_entries_quantized_at_rest_take_a_fraction_of_the_bf16_bytes(bits, most)
     tokens = list(range(300))
     for store in (plain, at_rest):
         store.insert_cache("m", tokens, cache)
+    settle(at_rest)
     assert at_rest.nbytes <= most * plain.nbytes
     entry = at_rest._blocks.assemble(at_rest._trie.get("m", tokens).prompt_cache)
     assert all(type(c) is QuantizedKVCache and c.bits == bits for c in entry)
@@ -259,15 +268,56 @@ def test_entries_quantized_at_rest_take_a_fraction_of_the_bf16_bytes(bits, most)
             assert same(x[..., :300, :], mx.dequantize(*q, group_size=64, bits=bits))
 
 
+def test_entries_rest_as_computed_until_an_insert_after_a_fetch(monkeypatch):
+    """With ``bits``, the entries stored since the last fetch are kept as
+    computed: the next turn of a conversation fetches its tokens bit for bit
+    and, storing the longer prompt, drops the entry unquantized; an insert
+    after a fetch quantizes those stored before it, and a byte budget that
+    needs room quantizes the rest rather than evict them."""
+    quantizes = []
+    to_quantized = KVCache.to_quantized
+    monkeypatch.setattr(
+        KVCache,
+        "to_quantized",
+        lambda self, **kw: quantizes.append(self) or to_quantized(self, **kw),
+    )
+    store, plain = LRUPromptCache(bits=8), LRUPromptCache()
+    turn, cache = list(range(40)), [KVCache()]
+    keys, _ = fed(cache[0], [40])
+    store.insert_cache("m", turn, cache)
+    fetched, rest = store.fetch_nearest_cache("m", turn + [99])
+    assert rest == [99] and same(fetched[0].state[0], keys)
+    fed(fetched[0], [1])
+    for lru in (store, plain):
+        lru.insert_cache("m", turn + [99], fetched)
+    assert len(store) == 1 and quantizes == []
+    assert store.nbytes == plain.nbytes
+    other = [KVCache()]
+    fed(other[0], [20])
+    store.insert_cache("m", list(range(100, 120)), other)  # no fetch since
+    assert len(store) == 2 and quantizes == []
+    store.fetch_nearest_cache("m", [7])
+    third = [KVCache()]
+    fed(third[0], [1])
+    store.insert_cache("m", [7], third)  # both quantized
+    assert len(store) == 3 and len(quantizes) == 2
+    (entry,) = store._trie.get("m", turn + [99]).prompt_cache
+    assert type(entry) is QuantizedKVCache and entry.offset == 41
+    settle(store)
+    assert len(quantizes) == 3
+
+
 def test_a_fetch_from_a_store_at_rest_trims_back_to_the_common_prefix():
     store = LRUPromptCache(bits=8)
     cache = [KVCache()]
     cache[0].update_and_fetch(*random_kv(1, H, 40, DK))
     store.insert_cache("m", list(range(40)), cache)
+    settle(store)
     fetched, rest = store.fetch_nearest_cache("m", list(range(30)) + [99])
     assert rest == [99] and fetched[0].offset == 30
     # The entry itself stays whole and quantized.
-    assert store.nbytes > 0
+    (entry,) = store._trie.get("m", list(range(40))).prompt_cache
+    assert type(entry) is QuantizedKVCache and entry.offset == 40
 
 
 @pytest.mark.parametrize("bits, most", [(8, 0.55), (4, 0.30)])
@@ -285,6 +335,7 @@ def test_sliding_layers_rest_quantized_and_step_back_within_their_slack(bits, mo
     tokens = list(range(140))
     for store in (plain, at_rest):
         store.insert_cache("m", tokens, [ring])
+    settle(at_rest)
     assert at_rest.nbytes <= most * plain.nbytes
     (entry,) = at_rest._trie.get("m", tokens).prompt_cache
     assert type(entry) is QuantizedRotatingKVCache and entry.bits == bits

@@ -31,6 +31,11 @@ and dtype, so a batch computes at its own precision while 2-4x more
 entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
 for a server whose working caches are not quantized: every quantized entry,
 also one read back from a disk tier (``_working``), is dequantized on fetch.
+The entries stored since the last fetch stay as computed until an insert
+that follows a fetch, or until the byte budget needs room (``_settle``):
+the next request of a conversation takes them as computed (an agent turn
+on an H200 paid 1.6x for a quantize and a dequantize), and an entry the
+next insert extends is never quantized.
 
 Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
 ``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
@@ -108,6 +113,8 @@ class LRUPromptCache:
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
+        # With bits: (model, tokens, entry) not quantized yet; a fetch since
+        self._newest, self._fetched = [], False
 
     def _from_checkpoint(self, cache_entry, length, prefix, past=0):
         """A working cache from the newest position at or before ``prefix``
@@ -128,6 +135,7 @@ class LRUPromptCache:
         return self._n_bytes + self._blocks.nbytes
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
+        self._fetched = True
         result = self._trie.search(model, tokens)
         if result.exact is not None:
             cache_entry = self._trie.get(result.model, result.exact)
@@ -214,7 +222,8 @@ class LRUPromptCache:
         mx.async_eval(
             [getattr(c, "state", ()) for c, k in zip(prompt_cache, cut) if not k]
         )
-        prompt_cache = self._blocks.share(model, tokens, prompt_cache)
+        if self.bits is None:  # quantized at rest: shared once quantized
+            prompt_cache = self._blocks.share(model, tokens, prompt_cache)
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -241,6 +250,13 @@ class LRUPromptCache:
                 self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
                 self._lru.remove(model, tokens[:prefix_len])
 
+        # Quantized at rest: the entries stored before the last fetch (those
+        # this one did not take the place of); this one after the next fetch
+        if self.bits is not None:
+            if self._fetched:
+                self._settle()
+            self._newest.append((model, tokens, self._trie.get(model, tokens)))
+
         # Ensure we match the constraints
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
 
@@ -251,13 +267,40 @@ class LRUPromptCache:
         the server stores at every request's end) is shared, not copied
         again: a new array object on its buffer, as a fetch hands out (an
         in-place write to the cache's array changes that object only)."""
-        if self.bits is None or type(cache) not in (KVCache, RotatingKVCache):
-            own = {id(x) for x in vars(cache).values() if isinstance(x, mx.array)}
-            return _copy_cache(
-                cache, lambda x: copy.copy(x) if id(x) in own else mx.array(x)
+        own = {id(x) for x in vars(cache).values() if isinstance(x, mx.array)}
+        return _copy_cache(
+            cache, lambda x: copy.copy(x) if id(x) in own else mx.array(x)
+        )
+
+    def _quantized(self, prompt_cache: List[Any]) -> List[Any]:
+        """``prompt_cache`` as it rests: with ``bits``, its ``KVCache`` and
+        ``RotatingKVCache`` layers quantized (lazy, new objects)."""
+        return [
+            (
+                c.to_quantized(group_size=self.group_size, bits=self.bits)
+                if self.bits is not None and type(c) in (KVCache, RotatingKVCache)
+                else c
             )
-        live = _copy_cache(cache, copy.copy)  # shares the buffers
-        return live.to_quantized(group_size=self.group_size, bits=self.bits)
+            for c in prompt_cache
+        ]
+
+    def _settle(self):
+        """Quantize the entries not quantized yet that the store still holds
+        (bits), their whole blocks then shared as other entries' are."""
+        newest, self._newest, self._fetched = self._newest, [], False
+        for model, tokens, entry in newest:
+            try:
+                if self._trie.get(model, tokens) is not entry:
+                    continue
+            except KeyError:
+                continue
+            layers = self._quantized(entry.prompt_cache)
+            mx.async_eval([getattr(c, "state", ()) for c in layers])
+            entry.prompt_cache = self._blocks.share(model, tokens, layers)
+            nbytes = sum(c.nbytes for c in entry.prompt_cache)
+            self._n_bytes += nbytes - entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] += nbytes - entry.nbytes
+            entry.nbytes = nbytes
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
@@ -267,6 +310,8 @@ class LRUPromptCache:
 
         while len(self._lru) > n_sequences:
             self._evict()
+        if self.nbytes > n_bytes:
+            self._settle()
         while self.nbytes > n_bytes:
             self._evict()
 

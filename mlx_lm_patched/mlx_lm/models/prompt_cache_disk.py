@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .cache import (
     LRUPromptCache,
+    PromptBlocks,
     _back_to,
     _prompt_cache_from_arrays,
     can_trim_prompt_cache,
@@ -584,8 +585,12 @@ class DiskLRUPromptCache(LRUPromptCache):
         return model, tokens, entry
 
     def _spill(self, model: Any, tokens: List[int], entry):
-        # Shared prefix blocks (prompt_cache_blocks) go as block files.
+        # Shared prefix blocks (prompt_cache_blocks) go as block files; an
+        # entry not quantized yet (bits) as a quantized copy cut into blocks.
+        layers = self._quantized(entry.prompt_cache)
+        if any(a is not b for a, b in zip(layers, entry.prompt_cache)):
+            layers = PromptBlocks(self._blocks.block_size).share(model, tokens, layers)
         try:
-            self.disk.put(model, tokens, entry.prompt_cache)
+            self.disk.put(model, tokens, layers)
         except Exception as e:  # not written: a miss later, never an error now
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")

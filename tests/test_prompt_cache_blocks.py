@@ -60,6 +60,7 @@ def test_a_shared_prefix_is_stored_once_and_held_once(patched, exact_active_memo
     lru = LRUPromptCache(max_size=8)
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
+    lru._settle()  # at rest, as the next request's insert makes them
     assert len(lru) == 8
     assert lru.nbytes == held_alone(2000, [200] * 8)
     assert lru.nbytes <= 1.3 * PER_TOKEN * (2000 + 8 * 200)
@@ -87,6 +88,7 @@ def test_a_block_leaves_with_the_last_entry_that_holds_it(patched, exact_active_
     lru = LRUPromptCache()
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
+    lru._settle()
     del convs, cache
     held = active()
     for n in (2, 1, 0):  # an entry's own tokens go; the last one the blocks too
@@ -111,6 +113,7 @@ def test_a_fetched_conversation_continues_with_a_fresh_prefills_logits(
         cache = make_prompt_cache(model)
         model(mx.array(tokens)[None], cache=cache)
         lru.insert_cache("m", tokens, cache)
+    lru._settle()
     first, last = (lru._trie.get("m", t).prompt_cache for t in (convs[0], convs[-1]))
     assert all(a.blocks[0] is b.blocks[0] for a, b in zip(first, last))  # shared
 
@@ -129,6 +132,7 @@ def test_writing_a_fetched_cache_leaves_the_blocks_as_they_were(patched):
     lru = LRUPromptCache()
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
+    lru._settle()
     # A branch inside a shared block: trimmed back to 100 tokens, then written.
     (working,), rest = lru.fetch_nearest_cache("m", convs[0][0][:100] + [7, 8])
     assert working.offset == 100 and rest == [7, 8]
@@ -142,9 +146,8 @@ def test_writing_a_fetched_cache_leaves_the_blocks_as_they_were(patched):
 def test_an_insert_copies_the_working_cache_once_and_keeps_none_of_it(
     patched, exact_active_memory
 ):
-    """The blocks and tail are cut from the working cache: an insert peaks
-    at one copy of the entry (no copy at rest before the cut), and writing
-    the working cache in place afterwards leaves the entry as it was."""
+    """An insert peaks at one copy of the entry, and writing the working
+    cache in place afterwards leaves the entry as it was."""
     mx.random.seed(0)
     ((tokens, (cache,)),) = conversations(1, 700, 60)
     want = tuple(mx.array(x) for x in live(cache))
@@ -170,11 +173,13 @@ def test_two_models_or_two_layouts_never_share_a_block(patched):
     lru.insert_cache("a", tokens, cache)
     one = lru.nbytes
     lru.insert_cache("b", tokens, cache)
+    lru._settle()
     assert lru.nbytes == 2 * one
     half = [KVCache()]
     half[0].update_and_fetch(*(x.astype(mx.float16) for x in live(cache[0])))
     half[0].update_and_fetch(*(x[..., :1, :] for x in live(half[0])))  # token 1
     lru.insert_cache("b", tokens + [1], half)  # pops "b"'s float32 entry
+    lru._settle()
     assert lru.nbytes == one + one // 2 * 301 // 300
     for model, prompt, want in (("a", tokens, cache[0]), ("b", tokens + [1], half[0])):
         (got,), _ = lru.fetch_nearest_cache(model, prompt)
@@ -193,8 +198,7 @@ def test_quantized_entries_share_their_blocks(patched, bits):
         convs = [(t, [c[0].to_quantized(group_size=32, bits=4)]) for t, c in convs]
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
-    if bits:  # the newest at rest too, none evicted
-        lru.trim_to(n_bytes=lru.nbytes - 1)
+    lru._settle()
     entries = [lru._trie.get("m", t).prompt_cache[0] for t, _ in convs]
     assert all(type(e.template) is QuantizedKVCache for e in entries)
     # The prefix's whole blocks once, then each entry's own tokens.
@@ -218,6 +222,7 @@ def test_rings_keep_whole_entries(patched):
         c.update_and_fetch(*random_kv(1, H, 300, D))
     lru = LRUPromptCache()
     lru.insert_cache("m", list(range(300)), [ring, kv])
+    lru._settle()
     stored = lru._trie.get("m", list(range(300))).prompt_cache
     assert type(stored[0]) is RotatingKVCache and type(stored[1]) is SharedPrefixCache
 
@@ -284,3 +289,25 @@ def test_a_chain_is_the_same_hashed_whole_or_from_the_last_chains():
                 99
             )
         assert blocks.chain(model, tokens) == scratch(model, tokens)
+
+
+def test_entries_are_cut_into_blocks_at_an_insert_after_a_fetch(patched):
+    """An entry is stored whole (the next request fetches it without a join
+    of blocks) and cut into shared blocks at the first insert after a
+    fetch; without fetches, at most ``whole_entries`` stay whole."""
+    mx.random.seed(0)
+    convs = conversations(5, 300, 40)
+    lru = LRUPromptCache()
+
+    def whole():
+        held = [lru._trie.get("m", t).prompt_cache[0] for t, _ in convs[: len(lru)]]
+        return [type(c) is KVCache for c in held]
+
+    lru.insert_cache("m", *convs[0])
+    (got,), rest = lru.fetch_nearest_cache("m", convs[0][0] + [7])
+    assert rest == [7] and same(got.state[:2], live(convs[0][1][0]))
+    lru.insert_cache("m", *convs[1])
+    assert whole() == [False, True]
+    for tokens, cache in convs[2:]:  # no fetch: the oldest of 3 whole cut
+        lru.insert_cache("m", tokens, cache)
+    assert whole() == [False, False, True, True, True]

@@ -140,6 +140,7 @@ def main(argv=None):
     for bits in (None, 8, 4):
         store = LRUPromptCache(bits=bits)
         store.insert_cache("m", tokens, stack)
+        store._settle()  # at rest, as a server's next request puts it
         entry = store._trie.get("m", tokens).prompt_cache
         held = sum(x.nbytes for c in entry for x in c.checkpoints)
         result[f"stack_checkpoint_bytes_at_rest_{bits or 16}_bits"] = held

@@ -133,7 +133,7 @@ def run(args):
 
     # Quantized at rest (--bits): the entry the server's prompt cache keeps.
     store = LRUPromptCache(bits=args.bits, group_size=args.group_size)
-    entry = [store._at_rest(c) for c in cache] if args.bits else cache
+    entry = store._quantized([store._at_rest(c) for c in cache]) if args.bits else cache
     if args.blocks:
         entry = PromptBlocks(args.blocks).share(MODEL_KEY, prefix, entry)
 

@@ -8,7 +8,8 @@ hold 4.67x the bytes of the prefix once plus the 8 tails; upstream 4.89x;
 issue #28). vllm-mlx's paged prefix cache and oMLX's blocks share them.
 
 ``PromptBlocks`` is the pool an ``LRUPromptCache`` keeps its shared blocks
-in (``prompt_cache_store`` calls it at its insert, fetch and eviction).
+in (``prompt_cache_store`` calls it when an entry comes to rest, at a fetch
+and an eviction).
 ``share`` cuts each ``KVCache`` or ``QuantizedKVCache`` layer of an entry at
 rest (also an entry quantized at rest, ``bits=``) into blocks of
 ``block_size`` tokens: a block is found by its key, the model key, the
@@ -22,7 +23,8 @@ goes with the last entry that holds it, so blocks leave least recently used
 with their entries, and ``nbytes`` counts each held block once.
 ``assemble`` gives the working cache a fetch hands out: its arrays the
 blocks and the tail concatenated, its own buffer, so a write never reaches
-a block.
+a block. ``share(..., views=True)`` cuts without copying: what a disk tier
+writes of an entry memory keeps whole.
 
 Rotating layers (sliding windows, ``--max-kv-size`` rings), ``CacheList``,
 ``ArraysCache`` and ``ChunkedKVCache`` layers keep whole entries, as does a

@@ -31,19 +31,20 @@ and dtype, so a batch computes at its own precision while 2-4x more
 entries fit (vllm-mlx's ``--kv-cache-quantization`` does the same). It is
 for a server whose working caches are not quantized: every quantized entry,
 also one read back from a disk tier (``_working``), is dequantized on fetch.
-The entries stored since the last fetch stay as computed until an insert
-that follows a fetch, or until the byte budget needs room (``_settle``):
-the next request of a conversation takes them as computed (an agent turn
-on an H200 paid 1.6x for a quantize and a dequantize), and an entry the
-next insert extends is never quantized.
 
 Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
-``insert_cache`` hands the copy to ``self._blocks.share``, a fetch
+``_settle`` hands the copy to ``self._blocks.share``, a fetch
 assembles the entry (``_working_cache``), an entry leaving (replaced, a
 prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns
 its layers holding their blocks, which a disk tier writes as blocks), and
-``nbytes`` counts each block once. The layers cut into blocks are cut from
-the working cache: their blocks and tail are the one copy an insert makes.
+``nbytes`` counts each block once.
+
+The entries stored since the last fetch are kept whole, as computed, until
+an insert that follows a fetch, or until the byte budget needs room
+(``_settle``: cut into blocks, quantized with ``bits``): the next request of
+a conversation takes its entry without a join of blocks or a dequantize (an
+agent turn on an H200 paid 1.6x for a quantize and a dequantize), and an
+entry the next insert extends is dropped without either.
 
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
@@ -80,6 +81,10 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
 
 # Written as it reads in mlx_lm/models/cache.py, and run there.
 class LRUPromptCache:
+    # Entries kept whole between two fetches at most (a server's request
+    # stores up to three: its system prompt's, its prompt's and its end's)
+    whole_entries = 3
+
     def __init__(
         self,
         max_size: int = 10,
@@ -113,7 +118,7 @@ class LRUPromptCache:
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
-        # With bits: (model, tokens, entry) not quantized yet; a fetch since
+        # (model, tokens, entry) not at rest yet (_settle); a fetch since
         self._newest, self._fetched = [], False
 
     def _from_checkpoint(self, cache_entry, length, prefix, past=0):
@@ -212,18 +217,11 @@ class LRUPromptCache:
             self._lru.push(model, tokens, cache_type)
             return
 
-        # Store a copy of the live tokens, not the working buffers (layers
-        # cut into blocks are copied as their blocks and tail, once)
-        cut = [
-            self.bits is None and self._blocks.count(c, tokens) for c in prompt_cache
-        ]
-        prompt_cache = [c if k else self._at_rest(c) for c, k in zip(prompt_cache, cut)]
+        # Store a copy of the live tokens, not the working buffers (whole:
+        # cut into blocks by _settle)
+        prompt_cache = [self._at_rest(c) for c in prompt_cache]
         # The copies scheduled at once, not a layer at a time
-        mx.async_eval(
-            [getattr(c, "state", ()) for c, k in zip(prompt_cache, cut) if not k]
-        )
-        if self.bits is None:  # quantized at rest: shared once quantized
-            prompt_cache = self._blocks.share(model, tokens, prompt_cache)
+        mx.async_eval([getattr(c, "state", ()) for c in prompt_cache])
 
         # Make the cache entry
         entry = LRUPromptCache.CacheEntry(
@@ -250,12 +248,14 @@ class LRUPromptCache:
                 self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
                 self._lru.remove(model, tokens[:prefix_len])
 
-        # Quantized at rest: the entries stored before the last fetch (those
-        # this one did not take the place of); this one after the next fetch
-        if self.bits is not None:
-            if self._fetched:
-                self._settle()
-            self._newest.append((model, tokens, self._trie.get(model, tokens)))
+        # At rest: the entries stored before the last fetch (those this one
+        # did not take the place of); this one after the next fetch
+        if self._fetched:
+            self._settle()
+        self._newest = [x for x in self._newest if self._holds(*x)]
+        while len(self._newest) >= self.whole_entries:  # the oldest at rest
+            self._settle(self._newest[0][2])
+        self._newest.append((model, tokens, self._trie.get(model, tokens)))
 
         # Ensure we match the constraints
         self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
@@ -284,15 +284,15 @@ class LRUPromptCache:
             for c in prompt_cache
         ]
 
-    def _settle(self):
-        """Quantize the entries not quantized yet that the store still holds
-        (bits), their whole blocks then shared as other entries' are."""
-        newest, self._newest, self._fetched = self._newest, [], False
+    def _settle(self, only=None):
+        """Cut the entries not at rest yet (or ``only`` that one) that the
+        store still holds into shared blocks, quantized with ``bits``."""
+        newest, self._newest = self._newest, []
         for model, tokens, entry in newest:
-            try:
-                if self._trie.get(model, tokens) is not entry:
-                    continue
-            except KeyError:
+            if not self._holds(model, tokens, entry):
+                continue
+            if only is not None and entry is not only:
+                self._newest.append((model, tokens, entry))
                 continue
             layers = self._quantized(entry.prompt_cache)
             mx.async_eval([getattr(c, "state", ()) for c in layers])
@@ -301,6 +301,15 @@ class LRUPromptCache:
             self._n_bytes += nbytes - entry.nbytes
             self._n_bytes_by_type[entry.cache_type] += nbytes - entry.nbytes
             entry.nbytes = nbytes
+        if only is None:
+            self._fetched = False
+
+    def _holds(self, model: Any, tokens: List[int], entry) -> bool:
+        """Whether ``entry`` is the entry the store holds for ``tokens``."""
+        try:
+            return self._trie.get(model, tokens) is entry
+        except KeyError:
+            return False
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
@@ -319,6 +328,7 @@ class LRUPromptCache:
         """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
         model, tokens = self._lru.pop()
         entry = self._trie.pop(model, tokens)
+        self._newest = [x for x in self._newest if x[2] is not entry]
         entry.prompt_cache = self._blocks.release(entry.prompt_cache)
         self._n_bytes -= entry.nbytes
         self._n_bytes_by_type[entry.cache_type] -= entry.nbytes

@@ -365,8 +365,9 @@ _MAIN = """\
 +        type=int,
 +        choices=[4, 8],
 +        help="Keep prompt cache entries quantized to 4 or 8 bits at rest, in "
-+        "memory and on disk; requests still compute at their own precision "
-+        "(default: none, entries as the requests' caches)",
++        "memory and on disk (the last request's once the next one took "
++        "them); requests still compute at their own precision (default: "
++        "none, entries as the requests' caches)",
 +    )
 +    parser.add_argument(
 +        "--prompt-cache-group-size",

@@ -1,8 +1,8 @@
 """What entries quantized at rest (``--prompt-cache-bits``) trade, through
 ``python -m mlx_lm_patched.server`` on the demo model (issue 48).
 
-Eight prompts of ~700 tokens sent, then each again edited past its 512th
-token: the demo model's sliding layers (window 64) have wrapped, so
+Eight prompts of ~700 tokens, each sent, then sent again edited past its
+512th token: the demo model's sliding layers (window 64) have wrapped, so
 the edited prompt branches from the window checkpoint at 512 (restored
 from the entry, at rest in bfloat16's place, 8 or 4 bits). Its greedy
 answer is compared with a cold server's: bfloat16 entries keep all 8
@@ -56,13 +56,17 @@ def cold(demo_model, tmp_path_factory):
 
 
 def branched(demo_model, log, *flags):
-    """Each edited prompt's answer after the originals, and the tokens
-    cached (each original at rest by then: the newest entry is quantized at
-    the next insert)."""
+    """Each edited prompt's answer after its original, and the tokens cached
+    (the original's entries at rest by then: the last request's are put at
+    rest by the next request's insert, a short one between)."""
     with Server(demo_model, *flags, log=log) as server:
+        out = []
         for i in range(CASES):
-            answer(server, prompts(i)[0])
-        return [answer(server, prompts(i)[1]) for i in range(CASES)]
+            first, edited = prompts(i)
+            answer(server, first)
+            answer(server, f"Unrelated {i}.")
+            out.append(answer(server, edited))
+    return out
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4], ids=["bf16", "8-bit", "4-bit"])

@@ -82,12 +82,16 @@ class PromptBlocks:
         """Columns ``start:stop`` of ``run``'s arrays (a view, no copy)."""
         return tree_map(lambda x: x[..., start:stop, :], run[0])
 
-    def share(self, model: Any, tokens: List[int], prompt_cache: List[Any]):
+    def share(
+        self, model: Any, tokens: List[int], prompt_cache: List[Any], views=False
+    ):
         """``prompt_cache`` (an entry at rest or a working cache, the cache
         of ``tokens``) with the whole blocks of its ``KVCache`` and
         ``QuantizedKVCache`` layers shared, the new blocks (one run) and
-        tails copies of their live tokens; other layers as they are."""
+        tails copies of their live tokens (with ``views``, views of them:
+        what a disk tier writes); other layers as they are."""
         size, digests, new = self.block_size, self.chain(model, tokens), []
+        own = (lambda x: x) if views else mx.array
         out = []
         for i, c in enumerate(prompt_cache):
             n = self.count(c, tokens)
@@ -108,9 +112,7 @@ class PromptBlocks:
                 have += 1
             if have < n:
                 run = [
-                    tree_map(
-                        lambda x: mx.array(x[..., have * size : n * size, :]), arrays
-                    ),
+                    tree_map(lambda x: own(x[..., have * size : n * size, :]), arrays),
                     n - have,
                 ]
                 new.append(run[0])
@@ -124,7 +126,7 @@ class PromptBlocks:
             blocks = [self._blocks[k] for k in keys]
             for block in blocks:
                 block[1] += 1
-            tail = tree_map(lambda x: mx.array(x[..., n * size :, :]), arrays)
+            tail = tree_map(lambda x: own(x[..., n * size :, :]), arrays)
             new.append(tail)
             template = copy.copy(c)
             template.keys = template.values = None

@@ -586,11 +586,12 @@ class DiskLRUPromptCache(LRUPromptCache):
 
     def _spill(self, model: Any, tokens: List[int], entry):
         # Shared prefix blocks (prompt_cache_blocks) go as block files; an
-        # entry not quantized yet (bits) as a quantized copy cut into blocks.
-        layers = self._quantized(entry.prompt_cache)
-        if any(a is not b for a, b in zip(layers, entry.prompt_cache)):
-            layers = PromptBlocks(self._blocks.block_size).share(model, tokens, layers)
+        # entry not at rest yet (_settle) as it would rest, its blocks views
+        # of it (memory keeps it whole: the next request takes it so)
+        size = self._blocks.block_size
         try:
+            layers = self._quantized(entry.prompt_cache)
+            layers = PromptBlocks(size).share(model, tokens, layers, views=True)
             self.disk.put(model, tokens, layers)
         except Exception as e:  # not written: a miss later, never an error now
             logging.warning(f"[prompt cache] disk tier failed: {e!r}")

@@ -32,6 +32,9 @@ class TestLRUPromptCache(unittest.TestCase):
         tokens = list(range(300))
         for cache in (plain, at_rest):
             cache.insert_cache(model, tokens, [kv])
+        self.assertEqual(at_rest.nbytes, plain.nbytes)  # the newest, as computed
+        at_rest.trim_to(n_bytes=plain.nbytes - 1)  # at rest, not evicted
+        self.assertEqual(len(at_rest), 1)
         self.assertLessEqual(at_rest.nbytes, 0.55 * plain.nbytes)
 
         c, t = at_rest.fetch_nearest_cache(model, tokens + [3])

@@ -35,7 +35,7 @@ also one read back from a disk tier (``_working``), is dequantized on fetch.
 Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
 ``_settle`` hands the copy to ``self._blocks.share``, a fetch
 assembles the entry (``_working_cache``), an entry leaving (replaced, a
-prefix popped, evicted) drops its blocks (``release``; ``_evict`` returns
+prefix popped, evicted) drops its blocks (``_leave``; ``_evict`` returns
 its layers holding their blocks, which a disk tier writes as blocks), and
 ``nbytes`` counts each block once.
 
@@ -233,7 +233,7 @@ class LRUPromptCache:
         self._n_bytes_by_type[cache_type] += entry.nbytes
         prev = self._trie.add(model, tokens, entry)
         if prev is not None:
-            self._blocks.release(prev.prompt_cache)
+            self._leave(prev)
             self._n_bytes -= prev.nbytes
             self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
             self._lru.remove(model, tokens)
@@ -243,7 +243,7 @@ class LRUPromptCache:
         # space
         if can_trim_prompt_cache(prompt_cache):
             for prefix_len, entry in self._trie.pop_prefixes(model, tokens):
-                self._blocks.release(entry.prompt_cache)
+                self._leave(entry)
                 self._n_bytes -= entry.nbytes
                 self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
                 self._lru.remove(model, tokens[:prefix_len])
@@ -252,7 +252,6 @@ class LRUPromptCache:
         # did not take the place of); this one after the next fetch
         if self._fetched:
             self._settle()
-        self._newest = [x for x in self._newest if self._holds(*x)]
         while len(self._newest) >= self.whole_entries:  # the oldest at rest
             self._settle(self._newest[0][2])
         self._newest.append((model, tokens, self._trie.get(model, tokens)))
@@ -285,12 +284,10 @@ class LRUPromptCache:
         ]
 
     def _settle(self, only=None):
-        """Cut the entries not at rest yet (or ``only`` that one) that the
-        store still holds into shared blocks, quantized with ``bits``."""
+        """Cut the entries not at rest yet (or ``only`` that one) into
+        shared blocks, quantized with ``bits``."""
         newest, self._newest = self._newest, []
         for model, tokens, entry in newest:
-            if not self._holds(model, tokens, entry):
-                continue
             if only is not None and entry is not only:
                 self._newest.append((model, tokens, entry))
                 continue
@@ -304,12 +301,11 @@ class LRUPromptCache:
         if only is None:
             self._fetched = False
 
-    def _holds(self, model: Any, tokens: List[int], entry) -> bool:
-        """Whether ``entry`` is the entry the store holds for ``tokens``."""
-        try:
-            return self._trie.get(model, tokens) is entry
-        except KeyError:
-            return False
+    def _leave(self, entry) -> List[Any]:
+        """An entry leaving (replaced, a prefix popped, evicted): its blocks
+        dropped and it no longer waits to rest; returns its layers."""
+        self._newest = [x for x in self._newest if x[2] is not entry]
+        return self._blocks.release(entry.prompt_cache)
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None
@@ -328,8 +324,7 @@ class LRUPromptCache:
         """Drop the least recently used entry; returns ``(model, tokens, entry)``."""
         model, tokens = self._lru.pop()
         entry = self._trie.pop(model, tokens)
-        self._newest = [x for x in self._newest if x[2] is not entry]
-        entry.prompt_cache = self._blocks.release(entry.prompt_cache)
+        entry.prompt_cache = self._leave(entry)
         self._n_bytes -= entry.nbytes
         self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
         return model, tokens, entry

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("patched")
 
 LAYERS, H, D = 2, 2, 32
 PER_TOKEN = LAYERS * 2 * H * D * 4  # float32 keys and values, every layer
-SIZE = PromptBlocks().block_size
+SIZE = PromptBlocks().block_size  # memory's blocks, and here block files'
 
 
 def conversations(n, prefix, tail, first=3):
@@ -50,7 +50,8 @@ def live(cache):
 def stored(directory, convs, max_bytes=1 << 63, **kwargs):
     """A ``DiskLRUPromptCache`` on ``directory`` that stored ``convs``, its
     writes done."""
-    lru = DiskLRUPromptCache(DiskPromptCache(str(directory), max_bytes), **kwargs)
+    disk = DiskPromptCache(str(directory), max_bytes, block_tokens=SIZE)
+    lru = DiskLRUPromptCache(disk, **kwargs)
     for tokens, cache in convs:
         lru.insert_cache("m", tokens, cache)
     lru.disk.flush()
@@ -157,10 +158,41 @@ def test_a_restore_counts_its_block_files_in_the_bytes_it_reads(tmp_path):
     again.close()
 
 
+def test_block_files_hold_the_disk_tiers_block_tokens_whatever_memorys_blocks(
+    tmp_path,
+):
+    """An entry at rest in memory's blocks of 64 goes to disk in block files
+    of ``block_tokens`` (3 x 64 here), read back bit for bit; by default
+    (1024 tokens a file: fewer files restore faster) a 1,000-token entry
+    is one entry file; a block size under 1 is refused."""
+    mx.random.seed(4)
+    (tokens, cache), = conversations(1, 990, 10)  # fmt: skip
+    disk = DiskPromptCache(str(tmp_path / "three"), block_tokens=3 * SIZE)
+    lru = DiskLRUPromptCache(disk)
+    lru.spill_at_once = False
+    lru.insert_cache("m", tokens, cache)
+    lru._settle()  # at rest: memory's blocks of 64
+    assert len(lru._blocks) == LAYERS * (1000 // SIZE)
+    lru.spill_idle()
+    disk.close()
+    assert len(blocks(tmp_path / "three")) == 1000 // (3 * SIZE)
+    got, rest = DiskPromptCache(str(tmp_path / "three")).get("m", tokens)
+    assert rest == [] and same(live(got), live(cache))
+    disk = DiskPromptCache(str(tmp_path / "default"))
+    assert disk.block_tokens == 1024
+    DiskLRUPromptCache(disk).insert_cache("m", tokens, cache)
+    disk.close()
+    assert (
+        blocks(tmp_path / "default") == [] and len(entries(tmp_path / "default")) == 1
+    )
+    with pytest.raises(ValueError, match="block_tokens must be >= 1"):
+        DiskPromptCache(str(tmp_path / "none"), block_tokens=0)
+
+
 def test_a_queued_entry_is_served_from_its_blocks_before_it_is_written(tmp_path):
     mx.random.seed(2)
     (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
-    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path), block_tokens=SIZE))
     lru.disk._lock_dir()  # the writer waits: nothing is renamed in
     try:
         lru.insert_cache("m", tokens, cache)
@@ -180,7 +212,7 @@ def test_a_queued_entry_costs_the_cost_model_the_bytes_its_files_will_hold(
     restored to save a token (on a GPU, seconds on the serving thread)."""
     mx.random.seed(2)
     (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
-    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path), block_tokens=SIZE))
     seen = []
     lru.disk._lock_dir()  # the writer waits: nothing is renamed in
     try:
@@ -212,7 +244,7 @@ def test_the_writer_reads_copies_that_share_no_memory_with_the_entry(
         "_own_copies",
         lambda s: copied.append((s, own(s))) or copied[-1][1],
     )
-    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path), block_tokens=SIZE))
     lru.insert_cache("m", tokens, cache)
     lru.disk.close()
     ((state, theirs),) = copied
@@ -249,7 +281,7 @@ def test_an_insert_with_the_disk_tier_waits_for_nothing(tmp_path, monkeypatch):
     thread waits for the copies it reads, and writes what the entry holds."""
     mx.random.seed(6)
     (tokens, cache), = conversations(1, 200, 10)  # fmt: skip
-    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    lru = DiskLRUPromptCache(DiskPromptCache(str(tmp_path), block_tokens=SIZE))
     waits, evaluate = [], mx.eval
     here = threading.current_thread()
 
@@ -263,7 +295,7 @@ def test_an_insert_with_the_disk_tier_waits_for_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     lru.disk.close()
     assert lru.disk.written == 1
-    fresh = DiskLRUPromptCache(DiskPromptCache(str(tmp_path)))
+    fresh = DiskLRUPromptCache(DiskPromptCache(str(tmp_path), block_tokens=SIZE))
     got, rest = fresh.fetch_nearest_cache("m", tokens)
     assert rest == [] and len(got) == len(cache)
     for a, b in zip(got, cache):

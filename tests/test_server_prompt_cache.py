@@ -68,6 +68,7 @@ def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
         prompt_cache_dir=directory,
         prompt_cache_disk_bytes=999,
         prompt_cache_queue_bytes=1 << 20,
+        prompt_cache_disk_block=256,
         kv_bits=8,
         kv_group_size=32,
     )
@@ -75,7 +76,7 @@ def test_run_gives_the_prompt_cache_a_disk_tier_closed_at_the_end(
     assert prompt_cache.max_size == 7
     disk = prompt_cache.disk
     assert (disk.directory, disk.max_bytes) == (directory, 999)
-    assert disk.queue_bytes == 1 << 20
+    assert disk.queue_bytes == 1 << 20 and disk.block_tokens == 256
     # In every entry's key: entries of caches quantized otherwise are others.
     assert disk.scope.startswith("--kv-bits 8 --kv-group-size 32 --prompt-cache-bits")
     assert not disk._writer.is_alive()  # closed when run returned
@@ -103,6 +104,12 @@ def test_main_takes_the_disk_tier_flags(request, monkeypatch, tmp_path, side):
         str(tmp_path),
         2 * 10**9,
     )
+    assert args.prompt_cache_disk_block == 1024  # tokens a block file holds
+    monkeypatch.setattr(
+        "sys.argv", ["mlx_lm.server", *flags, "--prompt-cache-disk-block", "0"]
+    )
+    with pytest.raises(SystemExit):
+        server.main()
 
 
 SIZES = {

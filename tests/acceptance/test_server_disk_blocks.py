@@ -36,7 +36,7 @@ def test_chats_keep_their_system_prompt_on_disk_once_and_a_restart_serves_it(
     model_dir, tmp_path
 ):
     model, cache_dir = model_dir("llama"), tmp_path / "cache"
-    flags = ["--prompt-cache-dir", cache_dir]
+    flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-disk-block", 64]
     with Server(model, *flags, log=tmp_path / "first.log") as server:
         answers = [chat(server, i) for i in range(CHATS)]
         os.kill(server.proc.pid, signal.SIGTERM)  # writes what is queued
@@ -63,7 +63,7 @@ def test_chats_keep_their_system_prompt_on_disk_once_and_a_restart_serves_it(
 
 def test_a_second_replica_writes_against_the_same_block_files(model_dir, tmp_path):
     model, cache_dir = model_dir("llama"), tmp_path / "cache"
-    flags = ["--prompt-cache-dir", cache_dir]
+    flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-disk-block", 64]
     replicas = [
         Server(model, *flags, log=tmp_path / f"replica{i}.log") for i in range(2)
     ]

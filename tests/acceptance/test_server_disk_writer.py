@@ -162,7 +162,7 @@ def test_a_block_replaced_by_a_link_or_a_directory_is_written_again(
     as unsound, the block stayed, and every entry naming it missed, across
     restarts (18 of 18)."""
     cache_dir = tmp_path / "cache"
-    flags = ["--prompt-cache-dir", cache_dir]
+    flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-disk-block", 64]
     body = system_chat(SYSTEM, 0, 8)
 
     def ask(log):

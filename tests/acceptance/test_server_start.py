@@ -31,6 +31,7 @@ def test_start_line_files_and_models(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub-cache"))
     model, cache_dir = model_dir("llama"), tmp_path / "made" / "cache"
     flags = ["--prompt-cache-dir", cache_dir, "--prompt-cache-bytes", "2G"]
+    flags += ["--prompt-cache-disk-block", 64]  # block files of its prompt
 
     with Server(model, *flags, log=tmp_path / "first.log") as server:
         models = server.get("/v1/models")

@@ -39,7 +39,8 @@ class DiskPromptCache(PromptBlockDir):
     of them: ``flush`` waits for the writes, ``close`` ends the writer.
     Several processes may share ``directory``: the budget is counted over
     its files under an ``flock`` of the directory, the least recently used
-    (oldest mtime) go first.
+    (oldest mtime) go first. ``DiskLRUPromptCache`` writes its entries'
+    prefixes as block files of ``block_tokens`` tokens, shared by entries.
     """
 
     # Seconds a stopping server gives the writer to write what is queued.
@@ -52,9 +53,12 @@ class DiskPromptCache(PromptBlockDir):
         queue_bytes: int = 1 << 30,
         mode: int = 0o600,
         digest_wait: bool = True,
+        block_tokens: int = 1024,
     ):
         if not isinstance(queue_bytes, int) or queue_bytes < 0:
             raise ValueError(f"queue_bytes must be >= 0, got {queue_bytes!r}")
+        if not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
         # name -> (file bytes, where its rings all have checkpoints)
         self._points = {}
         PromptBlockDir.__init__(self, directory, max_bytes, mode)
@@ -62,6 +66,10 @@ class DiskPromptCache(PromptBlockDir):
         # Whether put and get wait for a model directory's digest (the
         # server's do not: they miss until a thread has read it).
         self.digest_wait = digest_wait
+        # Tokens a block file of DiskLRUPromptCache's entries holds: fewer,
+        # larger files restore faster (a file's header and checks cost ~2 ms
+        # of the GIL), smaller ones share more of a prefix on disk.
+        self.block_tokens = block_tokens
         self.queued_bytes = 0  # of the entries in _pending
         # Entries put and not written: no room in the queue or in the budget,
         # or an error writing them (warned); and entries written.
@@ -585,12 +593,12 @@ class DiskLRUPromptCache(LRUPromptCache):
         return model, tokens, entry
 
     def _spill(self, model: Any, tokens: List[int], entry):
-        # Shared prefix blocks (prompt_cache_blocks) go as block files; an
-        # entry not at rest yet (_settle) as it would rest, its blocks views
-        # of it (memory keeps it whole: the next request takes it so)
-        size = self._blocks.block_size
+        # The entry as it rests (quantized with bits), cut into block files
+        # of disk.block_tokens whatever memory's blocks: views of it, memory
+        # keeps it as it is (whole until _settle: the next request takes it so)
+        size = self.disk.block_tokens
         try:
-            layers = self._quantized(entry.prompt_cache)
+            layers = self._quantized(self._blocks.assemble(entry.prompt_cache))
             layers = PromptBlocks(size).share(model, tokens, layers, views=True)
             self.disk.put(model, tokens, layers)
         except Exception as e:  # not written: a miss later, never an error now

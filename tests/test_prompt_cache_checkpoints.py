@@ -347,6 +347,34 @@ def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny):
     assert len(tight) == 0 and tight.nbytes == 0
 
 
+def test_a_conversations_entries_count_the_checkpoints_they_share_once(load_tiny):
+    """An agent loop on gemma3_text (window 256, a checkpoint every 512
+    tokens): each turn's entry holds the checkpoints of the turns before
+    (a fetch hands them on), and the store's ``nbytes`` counts each once:
+    the layers' own bytes, the distinct checkpoints' and the shared blocks'
+    (before: every entry's checkpoints, 1.28x), so a budget of exactly that evicts
+    nothing."""
+    model, _ = load_tiny("gemma3_text", sliding_window=256)
+    store, tokens = LRUPromptCache(), FIRST[:600]
+    cache = make_prompt_cache(model, checkpoint_every=512)
+    prefill(model, tokens, cache)
+    store.insert_cache("m", tokens, cache)
+    for turn in range(4):
+        tokens = tokens + [(13 * j + turn) % 500 + 10 for j in range(300)]
+        cache, rest = store.fetch_nearest_cache("m", tokens)
+        prefill(model, rest, cache)
+        store.insert_cache("m", tokens, cache)
+    keys = [key for q in store._lru._lrus.values() for key in q]
+    layers = [c for m, t in keys for c in store._trie.get(m, list(t)).prompt_cache]
+    points = [p for c in layers for p in getattr(c, "checkpoints", ())]
+    distinct = {id(p): p.nbytes for p in points}
+    assert len(keys) == 5 and len(distinct) < len(points)  # shared
+    own = sum(c.nbytes for c in layers) - sum(p.nbytes for p in points)
+    assert store.nbytes == own + sum(distinct.values()) + store._blocks.nbytes
+    store.trim_to(n_bytes=store.nbytes)
+    assert len(store) == 5
+
+
 def test_a_server_regenerating_an_edited_message_prefills_past_the_checkpoint(
     make_tiny_dir,
 ):

@@ -64,8 +64,13 @@ def test_readme_blocks_are_shell_or_python_and_few_are_skipped():
 
 def test_readme_has_the_install_block_and_no_internal_history():
     """A user's README: at most 300 lines, the install line that is tested,
-    no issue numbers or commit hashes, and every document it links exists."""
+    no issue numbers or commit hashes, every document it links exists, and
+    the patches it counts are those ``status`` lists."""
+    import mlx_lm_patched
+
     text = (ROOT / "README.md").read_text()
+    count = re.search(r"^(\d+) patches, one concern each", text, re.M)
+    assert count and int(count[1]) == len(mlx_lm_patched.status())
     assert len(text.splitlines()) <= 300
     assert sum(bool(INSTALL.match(code)) for _, code, *_ in blocks("README.md")) == 1
     history = r"(?<![\w/])#\d+|\bissues?\b|\bsessions?\b|\bcommit [0-9a-f]{7}"

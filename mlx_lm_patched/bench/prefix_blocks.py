@@ -13,8 +13,9 @@ main before ``prompt_cache_blocks``; blocks_N: patched, blocks of N tokens):
                 every tail, from the model's geometry; issue #28's target 1.3)
 
 On disk (``disk``), the same conversations go through a
-``DiskLRUPromptCache`` (write-behind, then flushed), whole and in blocks
-of the default size: ``dir_bytes`` and its ``ratio`` to once_bytes, the
+``DiskLRUPromptCache`` (write-behind, then flushed), whole and in block
+files of the default size (``block_tokens`` that size, not the tier's
+1024): ``dir_bytes`` and its ``ratio`` to once_bytes, the
 bytes of the block files every entry names (``shared_bytes``) and each
 entry's own (its file and the blocks only it names, the mean), and from
 them the ratio ``--many`` conversations would give (``ratio_at_many``).
@@ -84,7 +85,7 @@ def on_disk(caches, convs, block_size, args, per_token):
     from mlx_lm.models.prompt_cache_disk import DiskLRUPromptCache, DiskPromptCache
 
     with tempfile.TemporaryDirectory(prefix="mlx-lm-patched-prefix-") as d:
-        tier = DiskPromptCache(d)
+        tier = DiskPromptCache(d, block_tokens=block_size)
         lru = DiskLRUPromptCache(tier, max_size=len(convs))
         lru._blocks = cache_module.PromptBlocks(block_size)
         for tokens, cache in zip(convs, caches):

@@ -37,7 +37,10 @@ Entries share the blocks of their common prefixes (``prompt_cache_blocks``):
 assembles the entry (``_working_cache``), an entry leaving (replaced, a
 prefix popped, evicted) drops its blocks (``_leave``; ``_evict`` returns
 its layers holding their blocks, which a disk tier writes as blocks), and
-``nbytes`` counts each block once.
+``nbytes`` counts each block once. A conversation's entries share their
+rings' window checkpoints too (a fetch hands them on to the next entry):
+``nbytes`` counts each once (``_hold``; a Gemma-3 agent loop's store
+counted them in every entry, 1.28x its bytes after five turns on the CPU).
 
 The entries stored since the last fetch are kept whole, as computed, until
 an insert that follows a fetch, or until the byte budget needs room
@@ -118,6 +121,8 @@ class LRUPromptCache:
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
+        # id -> [ring checkpoint, entries holding it], and their bytes (_hold)
+        self._checkpoints, self._checkpoint_bytes = {}, 0
         # (model, tokens, entry) not at rest yet (_settle); a fetch since
         self._newest, self._fetched = [], False
 
@@ -137,7 +142,7 @@ class LRUPromptCache:
 
     @property
     def nbytes(self):
-        return self._n_bytes + self._blocks.nbytes
+        return self._n_bytes + self._blocks.nbytes + self._checkpoint_bytes
 
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         self._fetched = True
@@ -224,9 +229,8 @@ class LRUPromptCache:
         mx.async_eval([getattr(c, "state", ()) for c in prompt_cache])
 
         # Make the cache entry
-        entry = LRUPromptCache.CacheEntry(
-            prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type
-        )
+        nbytes = sum(c.nbytes for c in prompt_cache) - self._hold(prompt_cache, 1)
+        entry = LRUPromptCache.CacheEntry(prompt_cache, nbytes, cache_type)
 
         # Insert into the trie and update the byte counter and lru position
         self._n_bytes += entry.nbytes
@@ -291,10 +295,12 @@ class LRUPromptCache:
             if only is not None and entry is not only:
                 self._newest.append((model, tokens, entry))
                 continue
+            self._hold(entry.prompt_cache, -1)
             layers = self._quantized(entry.prompt_cache)
             mx.async_eval([getattr(c, "state", ()) for c in layers])
             entry.prompt_cache = self._blocks.share(model, tokens, layers)
             nbytes = sum(c.nbytes for c in entry.prompt_cache)
+            nbytes -= self._hold(entry.prompt_cache, 1)
             self._n_bytes += nbytes - entry.nbytes
             self._n_bytes_by_type[entry.cache_type] += nbytes - entry.nbytes
             entry.nbytes = nbytes
@@ -305,7 +311,27 @@ class LRUPromptCache:
         """An entry leaving (replaced, a prefix popped, evicted): its blocks
         dropped and it no longer waits to rest; returns its layers."""
         self._newest = [x for x in self._newest if x[2] is not entry]
+        self._hold(entry.prompt_cache, -1)
         return self._blocks.release(entry.prompt_cache)
+
+    def _hold(self, prompt_cache: List[Any], n: int) -> int:
+        """Count the window checkpoints of ``prompt_cache``'s rings held by
+        one entry more (``n`` 1) or fewer (-1): a conversation's entries
+        share them (a fetch hands them on to the next entry), and ``nbytes``
+        counts each once. Returns their bytes, which the entry's own leave
+        out."""
+        inside = 0
+        for c in prompt_cache:
+            for point in getattr(c, "checkpoints", ()):
+                inside += point.nbytes
+                held = self._checkpoints.setdefault(id(point), [point, 0])
+                held[1] += n
+                if held[1] == 0:
+                    del self._checkpoints[id(point)]
+                    self._checkpoint_bytes -= point.nbytes
+                elif held[1] == n == 1:
+                    self._checkpoint_bytes += point.nbytes
+        return inside
 
     def trim_to(
         self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None

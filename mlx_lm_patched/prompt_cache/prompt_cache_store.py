@@ -40,7 +40,7 @@ its layers holding their blocks, which a disk tier writes as blocks), and
 ``nbytes`` counts each block once. A conversation's entries share their
 rings' window checkpoints too (a fetch hands them on to the next entry):
 ``nbytes`` counts each once (``_hold``; a Gemma-3 agent loop's store
-counted them in every entry, 1.28x its bytes after five turns on the CPU).
+counted them in every entry, 1.28x its bytes after five entries on the CPU).
 
 The entries stored since the last fetch are kept whole, as computed, until
 an insert that follows a fetch, or until the byte budget needs room

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import (
     LRUPromptCache,
     PromptBlocks,
     QuantizedKVCache,
+    QuantizedRotatingKVCache,
     RotatingKVCache,
     SharedPrefixCache,
     load_prompt_cache,
@@ -294,7 +295,8 @@ def test_a_chain_is_the_same_hashed_whole_or_from_the_last_chains():
 def test_entries_are_cut_into_blocks_at_an_insert_after_a_fetch(patched):
     """An entry is stored whole (the next request fetches it without a join
     of blocks) and cut into shared blocks at the first insert after a
-    fetch; without fetches, at most ``whole_entries`` stay whole."""
+    fetch, but for the entry that fetch took; without fetches, at most
+    ``whole_entries`` stay whole."""
     mx.random.seed(0)
     convs = conversations(5, 300, 40)
     lru = LRUPromptCache()
@@ -304,10 +306,36 @@ def test_entries_are_cut_into_blocks_at_an_insert_after_a_fetch(patched):
         return [type(c) is KVCache for c in held]
 
     lru.insert_cache("m", *convs[0])
-    (got,), rest = lru.fetch_nearest_cache("m", convs[0][0] + [7])
-    assert rest == [7] and same(got.state[:2], live(convs[0][1][0]))
     lru.insert_cache("m", *convs[1])
-    assert whole() == [False, True]
-    for tokens, cache in convs[2:]:  # no fetch: the oldest of 3 whole cut
+    (got,), rest = lru.fetch_nearest_cache("m", convs[1][0] + [7])
+    assert rest == [7] and same(got.state[:2], live(convs[1][1][0]))
+    lru.insert_cache("m", *convs[2])
+    assert whole() == [False, True, True]
+    for tokens, cache in convs[3:]:  # no fetch: the oldest of 3 whole cut
         lru.insert_cache("m", tokens, cache)
     assert whole() == [False, False, True, True, True]
+
+
+def test_a_system_prompts_entry_every_request_takes_stays_whole(patched):
+    """Requests behind one system prompt (rings: its entry is not dropped as
+    a prefix) each take its entry: it stays as computed, not quantized at
+    rest, while the requests' own entries go to rest (a Gemma-3 server
+    dequantized it for every request after the second)."""
+    mx.random.seed(0)
+    system, lru = list(range(300)), LRUPromptCache(bits=8)
+
+    def ring(n):
+        c = RotatingKVCache(64, keep=4)
+        c.update_and_fetch(*random_kv(1, H, n, D))
+        return [c]
+
+    lru.insert_cache("m", system, ring(300))
+    requests = [system + [1000 * (i + 1) + j for j in range(40)] for i in range(4)]
+    for tokens in requests:
+        cache, rest = lru.fetch_nearest_cache("m", tokens)
+        assert rest == tokens[300:] and cache[0].offset == 300
+        lru.insert_cache("m", tokens, ring(340))
+    held = [type(lru._trie.get("m", t).prompt_cache[0]) for t in [system] + requests]
+    assert held == [RotatingKVCache] + [QuantizedRotatingKVCache] * 3 + [
+        RotatingKVCache
+    ]

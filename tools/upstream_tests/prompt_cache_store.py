@@ -1,5 +1,6 @@
 """prompt_cache_store: entries hold the live tokens only, quantized at rest
-with ``bits``; every eviction goes through ``_evict``."""
+with ``bits`` (but one every request takes); every eviction goes through
+``_evict``."""
 
 import unittest
 
@@ -42,6 +43,27 @@ class TestLRUPromptCache(unittest.TestCase):
         self.assertIsInstance(c[0], KVCache)
         expected = mx.dequantize(*mx.quantize(x, bits=8), bits=8)
         self.assertTrue(mx.array_equal(c[0].keys_and_values()[0], expected))
+
+    def test_an_entry_every_request_takes_stays_as_computed(self):
+        cache = LRUPromptCache(bits=8)
+        model = ("test", None, None)
+        x = mx.random.uniform(shape=(1, 2, 301, 64)).astype(mx.bfloat16)
+        system = list(range(300))
+
+        def ring(n):  # wrapped: not trimmable, so not dropped as a prefix
+            c = RotatingKVCache(max_size=64)
+            c.update_and_fetch(x[:, :, :n], x[:, :, :n])
+            return [c]
+
+        cache.insert_cache(model, system, ring(300))
+        taken = []
+        for i in range(3):
+            c, t = cache.fetch_nearest_cache(model, system + [1000 + i])
+            self.assertEqual(t, [1000 + i])
+            taken.append(c[0].state[0])
+            cache.insert_cache(model, system + [1000 + i], ring(301))
+        # Not quantized at rest while requests take it
+        self.assertTrue(mx.array_equal(taken[0], taken[2]))
 
     def test_every_eviction_goes_through_evict(self):
         evicted = []

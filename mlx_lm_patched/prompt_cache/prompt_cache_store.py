@@ -153,12 +153,12 @@ class LRUPromptCache:
         self._fetched, self._taken = True, None
         result = self._trie.search(model, tokens)
         if result.exact is not None:
-            cache_entry = self._taken = self._trie.get(result.model, result.exact)
+            cache_entry = self._trie.get(result.model, result.exact)
             return self._working_cache(cache_entry), []
 
         short_length = len(result.shorter) if result.shorter is not None else 0
         if result.longer is not None and result.common_prefix > short_length:
-            cache_entry = self._taken = self._trie.get(result.model, result.longer)
+            cache_entry = self._trie.get(result.model, result.longer)
             prefix = min(len(tokens) - 1, result.common_prefix)
             num_to_trim = len(result.longer) - prefix
             if self._trimmable(cache_entry.prompt_cache, num_to_trim):
@@ -174,7 +174,7 @@ class LRUPromptCache:
                     return cache, tokens[at:]
 
         if short_length > 0:
-            cache_entry = self._taken = self._trie.get(result.model, result.shorter)
+            cache_entry = self._trie.get(result.model, result.shorter)
             return self._working_cache(cache_entry), tokens[short_length:]
 
         return None, tokens
@@ -184,6 +184,7 @@ class LRUPromptCache:
         return can_trim_prompt_cache(prompt_cache, n)
 
     def _working_cache(self, cache_entry):
+        self._taken = cache_entry  # whole while the next request's are (_settle)
         return self._working(self._blocks.assemble(cache_entry.prompt_cache))
 
     def _working(self, prompt_cache):
@@ -261,6 +262,7 @@ class LRUPromptCache:
         # did not take the place of); this one after the next fetch
         if self._fetched:
             self._settle(keep=self._taken)
+            self._taken = None
         while len(self._newest) >= self.whole_entries:  # the oldest at rest
             self._settle(self._newest[0][2])
         self._newest.append((model, tokens, self._trie.get(model, tokens)))
@@ -316,6 +318,8 @@ class LRUPromptCache:
         """An entry leaving (replaced, a prefix popped, evicted): its blocks
         dropped and it no longer waits to rest; returns its layers."""
         self._newest = [x for x in self._newest if x[2] is not entry]
+        if entry is self._taken:
+            self._taken = None
         self._hold(entry.prompt_cache, -1)
         return self._blocks.release(entry.prompt_cache)
 

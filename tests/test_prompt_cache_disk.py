@@ -1306,7 +1306,8 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
     """With ``spill_at_once`` off (the server's), an insert queues nothing
     (its state is made on the serving thread); ``spill_idle`` queues what
     memory holds as stored, never the cache a request fetched and wrote to
-    since; an entry memory evicts is queued as it leaves."""
+    since; an entry memory evicts waits for it too, within the queue's
+    bytes (past them it is dropped and counted, as a put would drop it)."""
     model, _ = load_tiny("llama")
     first, second = [1] + PROMPT[:200], [2] + PROMPT[:200]
     lru = disk_lru(tmp_path)
@@ -1326,16 +1327,23 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
 
     evicting = disk_lru(tmp_path / "evicting", max_size=1)
     evicting.spill_at_once = False
-    lock = DirectoryHeld(tmp_path / "evicting")
-    try:
-        for tokens in (first, second):
-            evicting.insert_cache(MODEL, tokens, prefilled(model, tokens))
-        assert evicting.disk.queued == 1  # the first, as memory evicted it
-    finally:
-        lock.release()
-    evicting.spill_idle()  # the second: memory holds it
+    for tokens in (first, second):
+        evicting.insert_cache(MODEL, tokens, prefilled(model, tokens))
+    assert evicting.disk.queued == 0 and evicting.disk.dropped == 0
+    evicting.spill_idle()  # the first, evicted; the second: memory holds it
     evicting.disk.close()
     assert len(files(tmp_path / "evicting")) == 2
+
+    small = disk_lru(tmp_path / "small", max_size=1, queue_bytes=1)
+    small.spill_at_once = False
+    for tokens in (first, second, [3] + PROMPT[:200]):
+        small.insert_cache(MODEL, tokens, prefilled(model, tokens))
+    # The first waits (nothing else does: any size), the second is dropped
+    assert small.disk.queued == 0 and small.disk.dropped == 1
+    small.spill_idle()
+    small.disk.close()
+    restored, rest = disk(tmp_path / "small").get(MODEL, first + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(prefilled(model, first)))
 
 
 def test_a_prefix_a_longer_entry_replaced_is_freed_before_the_server_idles(

@@ -23,7 +23,8 @@ precision.
 (``prompt_cache_disk``): the entries memory stored are queued once no
 request has come for 0.1 s (``spill_idle``: a put made the entry's state
 on the generation thread, which the next request of an agent loop waited
-for), newest first, those memory still holds, and
+for), those memory evicted meanwhile first, then the newest first of those
+it still holds, and
 written to DIR by a background thread (``--prompt-cache-queue-bytes``,
 default 1G, bounds the queue; what does not fit is not written, and the
 log counts it), read back where memory has less of a prompt, and found
@@ -540,13 +541,15 @@ _RUN = """\
      response_generator = ResponseGenerator(model_provider, prompt_cache)
 +    # Stopped by SIGTERM as on Ctrl-C (server_http).
      if group.rank() == 0:
-@@ -14,1 +71,21 @@
+@@ -14,1 +71,23 @@
          response_generator.join()
 +    if cli_args.prompt_cache_dir is not None:
-+        # Stopped: what is queued and what memory holds are written, in a
-+        # bounded time (memory's only once the generation thread is done
++        # Stopped: what is queued, evicted and what memory holds are written,
++        # in a bounded time (memory's only once the generation thread is done
 +        # with it: its entries are queued when it idles).
 +        if not response_generator._generation_thread.is_alive():
++            prompt_cache.spill_idle()
++            prompt_cache.spill_at_once = True
 +            prompt_cache.trim_to(n_sequences=0)
 +        queued, *before = disk.tally()
 +        logging.info(

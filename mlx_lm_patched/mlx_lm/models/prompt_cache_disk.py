@@ -143,18 +143,16 @@ class DiskPromptCache(PromptBlockDir):
             self._add(name, (model, tokens, trimmable, 0))  # 0: no file yet
         self._queue.put((name, state, _own_copies(state), state.nbytes))
 
-    def _dropped(self, tokens: List[int], nbytes: int) -> bool:
+    def _dropped(self, tokens: List[int], nbytes: int, held: int = 0) -> bool:
         """Whether an entry of ``nbytes`` is dropped (warned, counted): larger
-        than ``max_bytes``, or past ``queue_bytes`` with the queue not empty.
-        Called with ``_lock`` held."""
-        why = None
+        than ``max_bytes``, or past ``queue_bytes`` with the queue (and the
+        ``held`` bytes waiting to be put) not empty. Called with ``_lock``
+        held."""
+        why, queued = None, self.queued_bytes + held
         if nbytes > self.max_bytes:
             why = f"--prompt-cache-disk-bytes {self.max_bytes}"
-        elif self._pending and self.queued_bytes + nbytes > self.queue_bytes:
-            why = (
-                f"{self.queued_bytes} B queued, "
-                f"--prompt-cache-queue-bytes {self.queue_bytes}"
-            )
+        elif (self._pending or held) and queued + nbytes > self.queue_bytes:
+            why = f"{queued} B queued, --prompt-cache-queue-bytes {self.queue_bytes}"
         if why is not None:
             self.dropped += 1
             logging.warning(
@@ -470,10 +468,11 @@ class DiskLRUPromptCache(LRUPromptCache):
     # prompt look slower to prefill than it is, and its entry be restored.
     prefill_min_tokens = 256
 
-    # False: an inserted entry is queued for the disk by ``spill_idle``, not
-    # at once. A put makes the entry's state on the calling thread (30-60 ms
-    # of a Gemma-3 entry on an H200's host): the server's next request, sent
-    # as the last one ended, waited for it.
+    # False: an inserted entry, and an evicted one (within the queue's
+    # bytes), is queued for the disk by ``spill_idle``, not at once. A put
+    # makes the entry's state on the calling thread (30-60 ms of a Gemma-3
+    # entry on an H200's host): the server's next request, sent as the last
+    # one ended, waited for it.
     spill_at_once = True
 
     def __init__(
@@ -490,6 +489,7 @@ class DiskLRUPromptCache(LRUPromptCache):
         )
         self.disk = disk
         self._unspilled = {}  # (model, tokens) inserted, not queued: in order
+        self._evicted = []  # (model, tokens, entry) evicted, not queued
         self.prefill_counters = None
         self._counted = (None, 0, 0.0)  # counters, tokens and seconds seen
         # [tokens, seconds], each older weighing half; from the directory's
@@ -576,8 +576,12 @@ class DiskLRUPromptCache(LRUPromptCache):
             self._unspilled[key] = None
 
     def spill_idle(self):
-        """Queue the entries inserted since the last call that memory still
-        holds, newest first (a fetch copies an entry: it is as stored)."""
+        """Queue the entries evicted since the last call, then those
+        inserted that memory still holds, newest first (a fetch copies an
+        entry: it is as stored)."""
+        evicted, self._evicted = self._evicted, []
+        for model, tokens, entry in evicted:
+            self._spill(model, tokens, entry)
         while self._unspilled:
             (model, key), _ = self._unspilled.popitem()
             tokens = list(key)
@@ -589,8 +593,24 @@ class DiskLRUPromptCache(LRUPromptCache):
 
     def _evict(self):
         model, tokens, entry = LRUPromptCache._evict(self)
-        self._spill(model, tokens, entry)  # nothing if it is on disk already
+        if self.spill_at_once:
+            self._spill(model, tokens, entry)  # nothing if it is on disk already
+        else:
+            self._hold_evicted(model, tokens, entry)
         return model, tokens, entry
+
+    def _hold_evicted(self, model: Any, tokens: List[int], entry):
+        # Kept for spill_idle, not put on the serving thread (the put of a
+        # Gemma-3 entry took 30-60 ms of the request that evicted it), within
+        # the queue's bytes: it holds no more than its put's copies would.
+        disk = self.disk
+        key = disk._model_key(model, disk.digest_wait)
+        if key is None or disk._name(key, tokens) in disk._files:
+            return  # not written while the weights' digest is read; on disk
+        held = sum(e.nbytes for *_, e in self._evicted)
+        with disk._lock:
+            if not disk._dropped(tokens, entry.nbytes, held):
+                self._evicted.append((model, tokens, entry))
 
     def _spill(self, model: Any, tokens: List[int], entry):
         # The entry as it rests (quantized with bits), cut into block files

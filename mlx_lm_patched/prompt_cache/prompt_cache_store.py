@@ -40,7 +40,8 @@ its layers holding their blocks, which a disk tier writes as blocks), and
 ``nbytes`` counts each block once. A conversation's entries share their
 rings' window checkpoints too (a fetch hands them on to the next entry):
 ``nbytes`` counts each once (``_hold``; a Gemma-3 agent loop's store
-counted them in every entry, 1.28x its bytes after five entries on the CPU).
+counted them in every entry, 1.28x its bytes after five entries on the CPU),
+and with ``bits`` each is quantized once for all of them (``_rested``).
 
 The entries stored since the last fetch are kept whole, as computed, until
 an insert that follows a fetch, or until the byte budget needs room
@@ -125,8 +126,9 @@ class LRUPromptCache:
         self._n_bytes = 0
         self._n_bytes_by_type = {k: 0 for k in self._lru._ordering}
         self._blocks = PromptBlocks()  # prompt_cache_blocks: shared, counted once
-        # id -> [ring checkpoint, entries holding it], and their bytes (_hold)
-        self._checkpoints, self._checkpoint_bytes = {}, 0
+        # id -> [ring checkpoint, entries holding it], and their bytes (_hold);
+        # id of one held -> it quantized, once for all entries (_quantized)
+        self._checkpoints, self._checkpoint_bytes, self._rested = {}, 0, {}
         # (model, tokens, entry) not at rest yet (_settle); a fetch since,
         # and the entry it took
         self._newest, self._fetched, self._taken = [], False, None
@@ -284,15 +286,24 @@ class LRUPromptCache:
 
     def _quantized(self, prompt_cache: List[Any]) -> List[Any]:
         """``prompt_cache`` as it rests: with ``bits``, its ``KVCache`` and
-        ``RotatingKVCache`` layers quantized (lazy, new objects)."""
-        return [
-            (
-                c.to_quantized(group_size=self.group_size, bits=self.bits)
-                if self.bits is not None and type(c) in (KVCache, RotatingKVCache)
-                else c
-            )
-            for c in prompt_cache
-        ]
+        ``RotatingKVCache`` layers quantized (lazy, new objects). A ring's
+        checkpoint that entries share is quantized once: each entry's own
+        copy held 2.4x the checkpoints' bytes, more than without ``bits``."""
+        if self.bits is None:
+            return prompt_cache
+        layers = []
+        for c in prompt_cache:
+            if type(c) in (KVCache, RotatingKVCache):
+                q = c.to_quantized(group_size=self.group_size, bits=self.bits)
+                points = zip(
+                    getattr(c, "checkpoints", ()), getattr(q, "checkpoints", ())
+                )
+                for i, (p, r) in enumerate(points):
+                    if r is not p and id(p) in self._checkpoints:
+                        q.checkpoints[i] = self._rested.setdefault(id(p), r)
+                c = q
+            layers.append(c)
+        return layers
 
     def _settle(self, only=None, keep=None):
         """Cut the entries not at rest yet (or ``only`` that one), but
@@ -302,8 +313,8 @@ class LRUPromptCache:
             if (only is not None and entry is not only) or entry is keep:
                 self._newest.append((model, tokens, entry))
                 continue
-            self._hold(entry.prompt_cache, -1)
             layers = self._quantized(entry.prompt_cache)
+            self._hold(entry.prompt_cache, -1)
             mx.async_eval([getattr(c, "state", ()) for c in layers])
             entry.prompt_cache = self._blocks.share(model, tokens, layers)
             nbytes = sum(c.nbytes for c in entry.prompt_cache)
@@ -337,6 +348,7 @@ class LRUPromptCache:
                 held[1] += n
                 if held[1] == 0:
                     del self._checkpoints[id(point)]
+                    self._rested.pop(id(point), None)
                     self._checkpoint_bytes -= point.nbytes
                 elif held[1] == n == 1:
                     self._checkpoint_bytes += point.nbytes

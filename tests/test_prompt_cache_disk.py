@@ -1307,7 +1307,8 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
     (its state is made on the serving thread); ``spill_idle`` queues what
     memory holds as stored, never the cache a request fetched and wrote to
     since; an entry memory evicts waits for it too, within the queue's
-    bytes (past them it is dropped and counted, as a put would drop it)."""
+    bytes (past them it is dropped and counted, as a put would drop it),
+    or is queued by a request it may serve."""
     model, _ = load_tiny("llama")
     first, second = [1] + PROMPT[:200], [2] + PROMPT[:200]
     lru = disk_lru(tmp_path)
@@ -1330,7 +1331,10 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
     for tokens in (first, second):
         evicting.insert_cache(MODEL, tokens, prefilled(model, tokens))
     assert evicting.disk.queued == 0 and evicting.disk.dropped == 0
-    evicting.spill_idle()  # the first, evicted; the second: memory holds it
+    # A request the evicted one serves queues it (get reads the queue)
+    restored, rest = evicting.fetch_nearest_cache(MODEL, first + EXTRA)
+    assert rest == EXTRA and same(live(restored), live(prefilled(model, first)))
+    evicting.spill_idle()  # the second: memory holds it
     evicting.disk.close()
     assert len(files(tmp_path / "evicting")) == 2
 

@@ -533,6 +533,7 @@ class DiskLRUPromptCache(LRUPromptCache):
             )
             start = time.perf_counter()
             try:
+                self._spill_held(model, tokens, cached)
                 self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached, saves)
             except Exception as e:  # a miss, never the generation thread's end
@@ -598,6 +599,20 @@ class DiskLRUPromptCache(LRUPromptCache):
         else:
             self._hold_evicted(model, tokens, entry)
         return model, tokens, entry
+
+    def _spill_held(self, model: Any, tokens: List[int], cached: int):
+        # An evicted entry held for spill_idle that may reuse more of tokens
+        # than memory does: queued now, where get finds it
+        held, self._evicted = self._evicted, []
+        for m, t, entry in held:
+            if (
+                m == model
+                and len(t) > cached
+                and t[: cached + 1] == tokens[: cached + 1]
+            ):
+                self._spill(m, t, entry)
+            else:
+                self._evicted.append((m, t, entry))
 
     def _hold_evicted(self, model: Any, tokens: List[int], entry):
         # Kept for spill_idle, not put on the serving thread (the put of a

@@ -1331,7 +1331,10 @@ def test_the_server_s_entries_are_queued_when_idle_as_memory_still_holds_them(
     for tokens in (first, second):
         evicting.insert_cache(MODEL, tokens, prefilled(model, tokens))
     assert evicting.disk.queued == 0 and evicting.disk.dropped == 0
-    # A request the evicted one serves queues it (get reads the queue)
+    # A request it cannot serve better than memory leaves it; one it serves
+    # queues it (get reads the queue)
+    evicting.fetch_nearest_cache(MODEL, second + EXTRA)
+    assert evicting.disk.queued == 0 and len(files(tmp_path / "evicting")) == 0
     restored, rest = evicting.fetch_nearest_cache(MODEL, first + EXTRA)
     assert rest == EXTRA and same(live(restored), live(prefilled(model, first)))
     evicting.spill_idle()  # the second: memory holds it

@@ -533,7 +533,7 @@ class DiskLRUPromptCache(LRUPromptCache):
             )
             start = time.perf_counter()
             try:
-                self._spill_held(model, tokens, cached)
+                self._spill_held(model, tokens, cached, saves)
                 self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached, saves)
             except Exception as e:  # a miss, never the generation thread's end
@@ -600,16 +600,18 @@ class DiskLRUPromptCache(LRUPromptCache):
             self._hold_evicted(model, tokens, entry)
         return model, tokens, entry
 
-    def _spill_held(self, model: Any, tokens: List[int], cached: int):
-        # An evicted entry held for spill_idle that may reuse more of tokens
-        # than memory does: queued now, where get finds it
+    def _spill_held(self, model: Any, tokens: List[int], cached: int, saves):
+        # An evicted entry held for spill_idle that reuses more of tokens
+        # than memory does, and would save time (``saves``): queued now,
+        # where get finds it
         held, self._evicted = self._evicted, []
         for m, t, entry in held:
-            if (
-                m == model
-                and len(t) > cached
-                and t[: cached + 1] == tokens[: cached + 1]
-            ):
+            n = min(len(t), len(tokens) - 1)
+            if m == model and n > cached and t[:cached] == tokens[:cached]:
+                n = next((i for i in range(cached, n) if t[i] != tokens[i]), n)
+            else:
+                n = 0
+            if n > cached and (saves is None or saves(n, entry.nbytes) > 0):
                 self._spill(m, t, entry)
             else:
                 self._evicted.append((m, t, entry))

@@ -347,6 +347,22 @@ def test_the_store_counts_checkpoints_inside_its_byte_budget(load_tiny):
     assert len(tight) == 0 and tight.nbytes == 0
 
 
+def agent_loop(model, turns, bits=None):
+    """An ``LRUPromptCache`` after an agent loop with a checkpoint every 512
+    tokens: a 600-token prompt, then ``turns`` of 300 tokens more, each
+    fetched, prefilled and stored."""
+    store, tokens = LRUPromptCache(bits=bits), FIRST[:600]
+    cache = make_prompt_cache(model, checkpoint_every=512)
+    prefill(model, tokens, cache)
+    store.insert_cache("m", tokens, cache)
+    for turn in range(turns):
+        tokens = tokens + [(13 * j + turn) % 500 + 10 for j in range(300)]
+        cache, rest = store.fetch_nearest_cache("m", tokens)
+        prefill(model, rest, cache)
+        store.insert_cache("m", tokens, cache)
+    return store
+
+
 def test_a_conversations_entries_count_the_checkpoints_they_share_once(load_tiny):
     """An agent loop on gemma3_text (window 256, a checkpoint every 512
     tokens): each turn's entry holds the checkpoints of the turns before
@@ -355,15 +371,7 @@ def test_a_conversations_entries_count_the_checkpoints_they_share_once(load_tiny
     (before: every entry's checkpoints, 1.28x), so a budget of exactly that evicts
     nothing."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    store, tokens = LRUPromptCache(), FIRST[:600]
-    cache = make_prompt_cache(model, checkpoint_every=512)
-    prefill(model, tokens, cache)
-    store.insert_cache("m", tokens, cache)
-    for turn in range(4):
-        tokens = tokens + [(13 * j + turn) % 500 + 10 for j in range(300)]
-        cache, rest = store.fetch_nearest_cache("m", tokens)
-        prefill(model, rest, cache)
-        store.insert_cache("m", tokens, cache)
+    store = agent_loop(model, turns=4)
     keys = [key for q in store._lru._lrus.values() for key in q]
     layers = [c for m, t in keys for c in store._trie.get(m, list(t)).prompt_cache]
     points = [p for c in layers for p in getattr(c, "checkpoints", ())]
@@ -384,18 +392,7 @@ def test_with_bits_a_conversations_entries_share_their_quantized_checkpoints(
     (before, each entry quantized its own: 2.4x the checkpoints' bytes, and
     more bytes in all than bfloat16 entries)."""
     model, _ = load_tiny("gemma3_text", sliding_window=256)
-    stores = {}
-    for bits in (None, 8):
-        store, tokens = LRUPromptCache(bits=bits), FIRST[:600]
-        cache = make_prompt_cache(model, checkpoint_every=512)
-        prefill(model, tokens, cache)
-        store.insert_cache("m", tokens, cache)
-        for turn in range(6):
-            tokens = tokens + [(13 * j + turn) % 500 + 10 for j in range(300)]
-            cache, rest = store.fetch_nearest_cache("m", tokens)
-            prefill(model, rest, cache)
-            store.insert_cache("m", tokens, cache)
-        stores[bits] = store
+    stores = {bits: agent_loop(model, turns=6, bits=bits) for bits in (None, 8)}
     store = stores[8]
     keys = [key for q in store._lru._lrus.values() for key in q]
     quantized = {

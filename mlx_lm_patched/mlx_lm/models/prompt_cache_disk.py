@@ -475,6 +475,11 @@ class DiskLRUPromptCache(LRUPromptCache):
     # one ended, waited for it.
     spill_at_once = True
 
+    # Tokens a held evicted entry must reuse past memory's for a request to
+    # queue it (its put is made then, on the serving thread): a request
+    # behind a shared system prompt shares a few more with each other's.
+    held_min_tokens = 128
+
     def __init__(
         self,
         disk: "DiskPromptCache",
@@ -533,7 +538,7 @@ class DiskLRUPromptCache(LRUPromptCache):
             )
             start = time.perf_counter()
             try:
-                self._spill_held(model, tokens, cached, saves)
+                self._spill_held(model, tokens, cached)
                 self.disk._refresh()  # what replicas wrote
                 found = self.disk.get(model, tokens, cached, saves)
             except Exception as e:  # a miss, never the generation thread's end
@@ -600,10 +605,9 @@ class DiskLRUPromptCache(LRUPromptCache):
             self._hold_evicted(model, tokens, entry)
         return model, tokens, entry
 
-    def _spill_held(self, model: Any, tokens: List[int], cached: int, saves):
-        # An evicted entry held for spill_idle that reuses more of tokens
-        # than memory does, and would save time (``saves``): queued now,
-        # where get finds it
+    def _spill_held(self, model: Any, tokens: List[int], cached: int):
+        # An evicted entry held for spill_idle that reuses held_min_tokens
+        # more of tokens than memory does: queued now, where get finds it
         held, self._evicted = self._evicted, []
         for m, t, entry in held:
             n = min(len(t), len(tokens) - 1)
@@ -611,7 +615,7 @@ class DiskLRUPromptCache(LRUPromptCache):
                 n = next((i for i in range(cached, n) if t[i] != tokens[i]), n)
             else:
                 n = 0
-            if n > cached and (saves is None or saves(n, entry.nbytes) > 0):
+            if n - cached >= self.held_min_tokens:
                 self._spill(m, t, entry)
             else:
                 self._evicted.append((m, t, entry))

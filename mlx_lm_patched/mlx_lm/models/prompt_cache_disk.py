@@ -610,11 +610,9 @@ class DiskLRUPromptCache(LRUPromptCache):
         # more of tokens than memory does: queued now, where get finds it
         held, self._evicted = self._evicted, []
         for m, t, entry in held:
-            n = min(len(t), len(tokens) - 1)
-            if m == model and n > cached and t[:cached] == tokens[:cached]:
-                n = next((i for i in range(cached, n) if t[i] != tokens[i]), n)
-            else:
-                n = 0
+            n, end = 0, min(len(t), len(tokens) - 1)
+            if m == model and t[:cached] == tokens[:cached]:
+                n = next((i for i in range(cached, end) if t[i] != tokens[i]), end)
             if n - cached >= self.held_min_tokens:
                 self._spill(m, t, entry)
             else:

@@ -45,6 +45,13 @@ def backend(monkeypatch):
 
 
 @pytest.fixture
+def cudnn_only(monkeypatch):
+    """CUDA's unfused road closed: every call cuDNN takes goes to it."""
+    monkeypatch.setattr(paths(), "UNFUSED_KEYS", 0)
+    monkeypatch.setattr(paths(), "FEW_QUERIES", 0)
+
+
+@pytest.fixture
 def fused_calls(monkeypatch):
     """The masks ``mx.fast.scaled_dot_product_attention`` is called with."""
     calls, sdpa = [], mx.fast.scaled_dot_product_attention
@@ -107,19 +114,43 @@ def test_each_backend_takes_its_path_for_an_array_mask(
     backend, name, dtype, N, D, path
 ):
     backend(name)
-    q, k, v, mask = inputs(H=4, N=N, L=96, D=D, dtype=dtype)
+    q, k, v, mask = inputs(H=4, N=N, L=4160, D=D, dtype=dtype)
     assert paths().attention_path(q, k, v, mask) == path
     for no_array in ("causal", None):
         assert paths().attention_path(q, k, v, no_array) == "fused"
 
 
-@pytest.mark.parametrize("name", ["cpu", "cuda", "metal"])
+@pytest.mark.parametrize(
+    "N, L, path",
+    [
+        (580, 1604, "unfused"),  # a chunk through a sliding window's layer
+        (1024, 4096, "unfused"),
+        (1025, 2048, "additive"),
+        (580, 4097, "additive"),  # a chunk through a global layer
+        (3, 24003, "unfused"),  # a prompt sent again: its last few tokens
+        (16, 9000, "unfused"),
+        (17, 9000, "additive"),
+    ],
+)
+def test_cuda_attends_small_scores_unfused(backend, N, L, path):
+    """cuDNN's calls are CUDA graph nodes MLX cannot update: a call with few
+    queries, or a chunk over a window's keys, is composed as MLX does."""
+    backend("cuda")
+    q, k, v = (mx.zeros((1, 4, n, 64), mx.bfloat16) for n in (N, L, L))
+    mask = mx.ones((1, 1, N, L), mx.bool_)
+    assert paths().attention_path(q, k, v, mask) == path
+
+
+@pytest.mark.parametrize(
+    "name, L", [("cpu", 768), ("metal", 768), ("cuda", 768), ("cuda", 4160)]
+)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_every_path_is_bit_identical_to_upstream(backend, name, dtype):
+def test_every_path_is_bit_identical_to_upstream(backend, name, L, dtype):
     """Boolean masks with rows that see nothing (left padding) too: the
-    additive mask's minimum gives the same softmax as upstream's ``where``."""
+    additive mask's minimum gives the same softmax as upstream's ``where``;
+    CUDA's unfused road (768 keys) is MLX's own composition."""
     backend(name)
-    q, k, v, mask = inputs(B=2, H=4, N=256, L=768, dtype=dtype, padding=[0, 300])
+    q, k, v, mask = inputs(B=2, H=4, N=256, L=L, dtype=dtype, padding=[0, 300])
     want = upstream_sdpa()(q, k, v, None, 0.2, mask)
     got = scaled_dot_product_attention(q, k, v, None, 0.2, mask, max_scores=1 << 20)
     assert same(got, want)
@@ -127,7 +158,7 @@ def test_every_path_is_bit_identical_to_upstream(backend, name, dtype):
 
 def test_cuda_gets_one_fused_call_with_an_additive_mask(backend, fused_calls):
     backend("cuda")
-    q, k, v, mask = inputs(D=64, dtype=mx.bfloat16)
+    q, k, v, mask = inputs(L=6144, D=64, dtype=mx.bfloat16)
     mx.eval(scaled_dot_product_attention(q, k, v, None, 0.2, mask, max_scores=1))
     (m,) = fused_calls
     assert m.dtype == mx.bfloat16 and m.shape == mask.shape
@@ -151,6 +182,7 @@ def test_the_additive_mask_is_a_view_of_rows_padded_to_16_bytes(monkeypatch, dty
     assert mx.array_equal(got < 0, ~mask).item()
 
 
+@pytest.mark.usefixtures("cudnn_only")
 def test_cuda_makes_a_model_call_s_mask_additive_once(backend, fused_calls):
     """Every layer gets the same mask: one additive array, not one a layer."""
     backend("cuda")
@@ -306,6 +338,7 @@ def test_buckets_are_two_a_doubling_and_cover_their_sizes():
         assert len([b for b in buckets if 1 << (k - 1) < b <= 1 << k]) == 2
 
 
+@pytest.mark.usefixtures("cudnn_only")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("N, L", [(70, 300), (520, 6039), (33, 1025)])
 def test_cuda_calls_run_padded_to_their_bucket_with_the_same_output(

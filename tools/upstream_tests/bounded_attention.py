@@ -1,5 +1,5 @@
 """bounded_attention: array-masked attention in query blocks, the scores
-held at once bounded."""
+held at once bounded; the unfused road MLX's own composition."""
 
 import unittest
 
@@ -26,6 +26,21 @@ class TestModels(unittest.TestCase):
         mx.eval(out)
         self.assertLess(mx.get_peak_memory() - active, 4 << 20)
         self.assertTrue(mx.array_equal(out, expected))
+
+    def test_sdpa_unfused_is_mlx_fallback(self):
+        from mlx_lm.models.bounded_attention import unfused
+
+        q = mx.random.normal(shape=(2, 8, 37, 64)).astype(mx.bfloat16)
+        k = mx.random.normal(shape=(2, 2, 300, 64)).astype(mx.bfloat16)
+        v = mx.random.normal(shape=(2, 2, 300, 64)).astype(mx.bfloat16)
+        mask = mx.random.uniform(shape=(2, 1, 37, 300)) > 0.3
+        mask[..., 0] = True
+        with mx.stream(mx.cpu):
+            expected = mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=0.125, mask=mask
+            )
+            out = unfused(q, k, v, 0.125, mask)
+            self.assertTrue(mx.array_equal(out, expected))
 
 
 ADD = {MODELS: [TestModels]}

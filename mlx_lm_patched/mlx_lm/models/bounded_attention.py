@@ -13,10 +13,19 @@ def sdpa_backend() -> str:
     return "cuda" if mx.cuda.is_available() else "cpu"
 
 
+# CUDA: the calls cuDNN would take that attend unfused, their scores small: at
+# most this many queries over at most this many keys (a sliding window's
+# layers), or a few queries over any number (a prompt sent again). MLX records
+# cuDNN's calls as CUDA graph nodes it cannot update, so each commit holding
+# one is instantiated anew, and cuDNN builds a graph for every new shape.
+UNFUSED_QUERIES, UNFUSED_KEYS, FEW_QUERIES = 1024, 4096, 16
+
+
 def attention_path(queries, keys, values, mask) -> str:
     """How ``mx.fast.scaled_dot_product_attention`` runs with this mask:
     "fused" (the mask as it is), "additive" (fused once a boolean mask is made
-    additive in the query dtype) or "scores" (materialised, in query blocks
+    additive in the query dtype), "unfused" (MLX's own composition, on CUDA
+    where the scores are small) or "scores" (materialised, in query blocks
     past ``max_scores``)."""
     if not isinstance(mask, mx.array):
         return "fused"
@@ -37,7 +46,12 @@ def attention_path(queries, keys, values, mask) -> str:
             and D_v % 8 == 0
             and max(D, D_v) <= 128
         )
-        return "additive" if fused else "scores"
+        if not fused:
+            return "scores"
+        K = keys.shape[2]
+        if L <= FEW_QUERIES or (L <= UNFUSED_QUERIES and K <= UNFUSED_KEYS):
+            return "unfused"
+        return "additive"
     return "scores"
 
 
@@ -112,6 +126,31 @@ def bucket_mask(mask, rows: int, columns: int):
     return _bucket_masks[key][1]
 
 
+def unfused(queries, keys, values, scale, mask):
+    """Attention as MLX composes it where no fused kernel takes a call
+    (``mlx/fast.cpp``), bit for bit: the scores materialised."""
+    B, H, L, D = queries.shape
+    n_kv = keys.shape[1]
+    queries = mx.array(scale, queries.dtype) * queries
+    if H > n_kv:  # each key head's queries together
+        queries = queries.reshape(B, n_kv, H // n_kv, L, D)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+        if mask.ndim >= 3:
+            mask = (
+                mx.expand_dims(mask, -3)
+                if mask.shape[-3] == 1
+                else mask.reshape(*mask.shape[:-3], n_kv, H // n_kv, L, -1)
+            )
+    scores = queries @ keys.swapaxes(-1, -2)
+    if mask.dtype == mx.bool_:
+        low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+        scores = mx.where(mask, scores, low)
+    else:
+        scores = scores + mask
+    out = mx.softmax(scores, axis=-1, precise=True) @ values
+    return out.reshape(B, H, L, -1) if H > n_kv else out
+
+
 def _query_blocks(queries, keys, values, scale, mask, sinks, rows):
     """Attention a block of queries at a time, the scores of ``rows`` queries
     at most (an eighth of that on CPU, where a chain runs about six blocks
@@ -151,6 +190,10 @@ def bounded_attention(
     names: a boolean mask made additive where only that is fused, the
     materialised scores in query blocks of ``max_scores`` bytes at most."""
     path = attention_path(queries, keys, values, mask)
+    if path == "unfused":
+        if sinks is None:
+            return unfused(queries, keys, values, scale, mask)
+        path = "additive"
     if path == "additive" and mask.dtype == mx.bool_:
         mask = additive_mask(mask, queries.dtype)
     if path == "additive" and sinks is None:

@@ -121,23 +121,27 @@ def test_each_backend_takes_its_path_for_an_array_mask(
 
 
 @pytest.mark.parametrize(
-    "N, L, path",
+    "B, H, N, L, path",
     [
-        (580, 1604, "unfused"),  # a chunk through a sliding window's layer
-        (1024, 4096, "unfused"),
-        (1025, 2048, "additive"),
-        (580, 4097, "additive"),  # a chunk through a global layer
-        (3, 24003, "unfused"),  # a prompt sent again: its last few tokens
-        (16, 9000, "unfused"),
-        (17, 9000, "additive"),
+        (1, 32, 580, 1604, "unfused"),  # a chunk through a sliding window's layer
+        (1, 32, 1024, 4096, "unfused"),
+        (1, 4, 1025, 2048, "additive"),
+        (1, 4, 580, 4097, "additive"),  # a chunk through a global layer
+        (1, 32, 3, 24003, "unfused"),  # a prompt sent again: its last few tokens
+        (1, 4, 16, 9000, "unfused"),
+        (1, 4, 17, 9000, "additive"),
+        (8, 32, 580, 1604, "additive"),  # 8 rows: 238M scores
+        (4, 32, 16, 131072, "additive"),
     ],
 )
-def test_cuda_attends_small_scores_unfused(backend, N, L, path):
+def test_cuda_attends_small_scores_unfused(backend, B, H, N, L, path):
     """cuDNN's calls are CUDA graph nodes MLX cannot update: a call with few
-    queries, or a chunk over a window's keys, is composed as MLX does."""
+    queries, or a chunk over a window's keys, is composed as MLX does, its
+    scores (rows x heads x queries x keys) at most ``UNFUSED_SCORES``."""
     backend("cuda")
-    q, k, v = (mx.zeros((1, 4, n, 64), mx.bfloat16) for n in (N, L, L))
-    mask = mx.ones((1, 1, N, L), mx.bool_)
+    q = mx.zeros((B, H, N, 64), mx.bfloat16)
+    k = v = mx.zeros((B, 4, L, 64), mx.bfloat16)
+    mask = mx.ones((B, 1, N, L), mx.bool_)
     assert paths().attention_path(q, k, v, mask) == path
 
 

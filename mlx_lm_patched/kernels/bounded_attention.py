@@ -20,8 +20,9 @@ and ``backend/{cuda,metal}/scaled_dot_product_attention.cpp``):
   2048-token chunk past a 4096-slot ring).
 - CUDA, small scores: a call of at most 16 queries (a prompt sent again), or
   of at most 1,024 queries over at most 4,096 keys (a chunk through a sliding
-  window's layer), is composed as MLX composes what no kernel fuses
-  (``unfused``, bit for bit its fallback). MLX records cuDNN's calls as CUDA
+  window's layer), its scores at most 2**27 (a batch's rows and heads
+  together), is composed as MLX composes what no kernel fuses (``unfused``,
+  bit for bit its fallback). MLX records cuDNN's calls as CUDA
   graph nodes it cannot update, so every commit holding one is instantiated
   anew, and cuDNN builds a graph for each new shape: on an H200 a Gemma-3
   agent turn's 580-token chunk took 91 ms with cuDNN at every layer, 66 ms

@@ -15,10 +15,12 @@ def sdpa_backend() -> str:
 
 # CUDA: the calls cuDNN would take that attend unfused, their scores small: at
 # most this many queries over at most this many keys (a sliding window's
-# layers), or a few queries over any number (a prompt sent again). MLX records
-# cuDNN's calls as CUDA graph nodes it cannot update, so each commit holding
-# one is instantiated anew, and cuDNN builds a graph for every new shape.
+# layers), or a few queries over any number (a prompt sent again), and at most
+# UNFUSED_SCORES scores in all (a batch's rows and heads). MLX records cuDNN's
+# calls as CUDA graph nodes it cannot update, so each commit holding one is
+# instantiated anew, and cuDNN builds a graph for every new shape.
 UNFUSED_QUERIES, UNFUSED_KEYS, FEW_QUERIES = 1024, 4096, 16
+UNFUSED_SCORES = 1 << 27
 
 
 def attention_path(queries, keys, values, mask) -> str:
@@ -48,10 +50,9 @@ def attention_path(queries, keys, values, mask) -> str:
         )
         if not fused:
             return "scores"
-        K = keys.shape[2]
-        if L <= FEW_QUERIES or (L <= UNFUSED_QUERIES and K <= UNFUSED_KEYS):
-            return "unfused"
-        return "additive"
+        B, H, K = queries.shape[0], queries.shape[1], keys.shape[2]
+        few = L <= FEW_QUERIES or (L <= UNFUSED_QUERIES and K <= UNFUSED_KEYS)
+        return "unfused" if few and B * H * L * K <= UNFUSED_SCORES else "additive"
     return "scores"
 
 

@@ -146,6 +146,23 @@ def test_cuda_attends_small_scores_unfused(backend, B, H, N, L, path):
 
 
 @pytest.mark.parametrize(
+    "shape", [(2, 8, 37, 300), (2, 8, 1, 300), (2, 1, 37, 300), (1, 37, 300), (37, 300)]
+)
+@pytest.mark.parametrize("additive", [False, True])
+def test_unfused_is_mlx_s_composition_for_every_mask_shape(shape, additive):
+    """Per-head masks, masks broadcast over queries or rows, boolean or
+    additive: ``unfused`` gives MLX's own output bit for bit (on the CPU,
+    where MLX composes every call)."""
+    q = mx.random.normal((2, 8, 37, 64)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((2, 2, 300, 64)).astype(mx.bfloat16) for _ in "kv")
+    mask = (mx.random.uniform(shape=shape) < 0.7) | (mx.arange(300) == 0)
+    if additive:
+        mask = paths().additive_mask(mask, mx.bfloat16)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask)
+    assert same(paths().unfused(q, k, v, 0.1, mask), want)
+
+
+@pytest.mark.parametrize(
     "name, L", [("cpu", 768), ("metal", 768), ("cuda", 768), ("cuda", 4160)]
 )
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])

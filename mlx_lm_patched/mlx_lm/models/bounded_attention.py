@@ -140,7 +140,7 @@ def unfused(queries, keys, values, scale, mask):
             mask = (
                 mx.expand_dims(mask, -3)
                 if mask.shape[-3] == 1
-                else mask.reshape(*mask.shape[:-3], n_kv, H // n_kv, L, -1)
+                else mask.reshape(*mask.shape[:-3], n_kv, H // n_kv, *mask.shape[-2:])
             )
     scores = queries @ keys.swapaxes(-1, -2)
     if mask.dtype == mx.bool_:

@@ -56,7 +56,7 @@ def test_a_hostile_cache_directory_is_skipped_and_the_server_answers(
         post(server, LONG)
         cold_shorter, cached = post(server, SHORTER)  # past the ring's slack
         assert cached == 0
-        entries(cache_dir)
+        entries(cache_dir)  # one written while the server idled
         interrupt(server)  # what waited for an idle server written too
     written = set(entries(cache_dir))
     planted = {}

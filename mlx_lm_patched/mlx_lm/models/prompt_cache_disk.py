@@ -609,11 +609,9 @@ class DiskLRUPromptCache(LRUPromptCache):
         # An evicted entry held for spill_idle that reuses held_min_tokens
         # more of tokens than memory does: queued now, where get finds it
         held, self._evicted = self._evicted, []
+        stop = cached + self.held_min_tokens  # the last token is computed
         for m, t, entry in held:
-            n, end = 0, min(len(t), len(tokens) - 1)
-            if m == model and t[:cached] == tokens[:cached]:
-                n = next((i for i in range(cached, end) if t[i] != tokens[i]), end)
-            if n - cached >= self.held_min_tokens:
+            if m == model and stop < len(tokens) and t[:stop] == tokens[:stop]:
                 self._spill(m, t, entry)
             else:
                 self._evicted.append((m, t, entry))

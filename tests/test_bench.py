@@ -601,9 +601,10 @@ def test_serve_bench_reads_both_servers_logs_and_takes_medians_of_runs():
         "INFO - Prompt cache disk hit: 700 of 735 tokens\n"
         "DEBUG - prompt-cache timing: tokenize=0.5ms lookup=1.25ms prefill=30ms\n"
         "DEBUG - prompt-cache timing: tokenize=1.5ms lookup=0.75ms prefill=10ms\n"
+        "INFO - Prompt cache at rest: 3 sequences, 0.00 GB (1189312 B)\n"  # idle
     )
     figures = log_figures(log)
-    assert figures["prompt_cache_bytes"] == 2189312
+    assert figures["prompt_cache_bytes"] == 1189312
     assert figures["prompt_cache_bytes_max"] == 1_500_000_000
     assert figures["tiers"] == {"disk hit": 1}
     assert figures["timing_ms"]["lookup"] == [1.25, 0.75]

@@ -316,6 +316,28 @@ def test_entries_are_cut_into_blocks_at_an_insert_after_a_fetch(patched):
     assert whole() == [False, False, True, True, True]
 
 
+def test_rest_puts_the_whole_entries_and_the_taken_one_at_rest(patched):
+    """``rest`` (a server idle) puts every entry kept whole at rest, the
+    one a fetch took too: quantized with ``bits`` and cut into blocks, in
+    fewer bytes; a fetch after gives back what the store holds; with none
+    whole it does nothing."""
+    mx.random.seed(0)
+    convs = conversations(3, 300, 40, dtype=mx.bfloat16)
+    lru = LRUPromptCache(bits=8)
+    lru.insert_cache("m", *convs[0])
+    lru.fetch_nearest_cache("m", convs[0][0] + [7])
+    lru.insert_cache("m", *convs[1])
+    lru.insert_cache("m", *convs[2])
+    whole = lru.nbytes
+    assert lru.rest() and not lru.rest()
+    held = [lru._trie.get("m", t).prompt_cache[0] for t, _ in convs]
+    assert all(type(c) is not KVCache for c in held)
+    assert lru.nbytes < 0.6 * whole
+    (got,), _ = lru.fetch_nearest_cache("m", convs[2][0] + [7])
+    q = convs[2][1][0].to_quantized(group_size=64, bits=8)
+    assert same(got.state[:2], q.to_kv_cache().state[:2])
+
+
 def test_a_system_prompts_entry_every_request_takes_stays_whole(patched):
     """Requests behind one system prompt (rings: its entry is not dropped as
     a prefix) each take its entry: it stays as computed, not quantized at

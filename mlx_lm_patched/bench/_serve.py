@@ -21,7 +21,9 @@ from mlx_lm_patched.demo import tiny
 
 FRONTS = {"upstream": "mlx_lm.server", "patched": "mlx_lm_patched.server"}
 # Upstream logs GB with two decimals; the patched server adds the bytes.
-CACHE_BYTES = re.compile(r"Prompt Cache: (\d+) sequences, ([\d.]+) GB(?: \((\d+) B\))?")
+CACHE_BYTES = re.compile(
+    r"Prompt (?:Cache|cache at rest): (\d+) sequences, ([\d.]+) GB(?: \((\d+) B\))?"
+)
 TIER = re.compile(r"Prompt cache (miss|memory hit|disk hit): (\d+) of (\d+) tokens")
 # The breakdown the patched server logs at DEBUG: "prompt-cache timing:
 # tokenize=0.4ms lookup=1.2ms ...": every key=value(ms) pair of such a line.

@@ -33,7 +33,9 @@ reply; ``cached_tokens`` is what the server reports in
   concurrent  ``--concurrent`` agent loops of ``--concurrent-turns`` turns
               at once, sharing a ``--system``-token system prompt: wall
               time, TTFT p50 and p95 over all turns, prompt-cache bytes
-              (the last the server logged)
+              (the last the server logged, ``--settle`` seconds idle after:
+              the patched server logs what it holds at rest; the largest
+              logged is ``prompt_cache_bytes_max``)
 
 Sides: ``upstream`` (``python -m mlx_lm.server``), ``patched`` (``python -m
 mlx_lm_patched.server``), with ``-dir`` (``--prompt-cache-dir``, a temporary
@@ -319,6 +321,7 @@ def concurrent(ctx, server):
     wall = time.perf_counter() - tic
     if errors:
         raise errors[0]
+    time.sleep(a.settle)  # idle: the server logs the bytes it holds at rest
     replies = [r for loop in loops for r in loop]
     ttft = [r["ttft_s"] for r in replies]
     return {
@@ -484,7 +487,8 @@ def build_parser():
         "--settle",
         type=float,
         default=1.0,
-        help="seconds the prompt-cache directory stays unchanged before kill -9",
+        help="seconds the prompt-cache directory stays unchanged before kill -9; "
+        "a server idles after its concurrent loops before its bytes are read",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds a request")
     p.add_argument(

@@ -52,7 +52,9 @@ entry the next insert extends is dropped without either. The entry that
 fetch took stays whole with the next request's (``keep``): a shared system
 prompt's entry, which every request behind it takes, was put at rest by the
 second request and dequantized by each one after (Gemma-3 on an H200, 8
-bits: 1.72x the hit without bits).
+bits: 1.72x the hit without bits). A server idle for 0.1 s puts them all
+at rest (``rest``): 8 concurrent agent loops left three entries whole,
+0.40x of upstream's bytes with 4 bits where those at rest hold 0.12x.
 
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one
@@ -324,6 +326,16 @@ class LRUPromptCache:
             entry.nbytes = nbytes
         if only is None:
             self._fetched = False
+
+    def rest(self) -> bool:
+        """Put the entries kept whole at rest, the one a fetch took too: a
+        server calls it when idle, when a next request is no longer near
+        and the bytes at rest are what it holds. Whether any was whole."""
+        if not self._newest:
+            return False
+        self._settle()
+        self._taken = None
+        return True
 
     def _leave(self, entry) -> List[Any]:
         """An entry leaving (replaced, a prefix popped, evicted): its blocks

@@ -1,6 +1,6 @@
 """prompt_cache_store: entries hold the live tokens only, quantized at rest
-with ``bits`` (but one every request takes); every eviction goes through
-``_evict``."""
+with ``bits`` (but one every request takes, until ``rest``); every eviction
+goes through ``_evict``."""
 
 import unittest
 
@@ -37,6 +37,12 @@ class TestLRUPromptCache(unittest.TestCase):
         at_rest.trim_to(n_bytes=plain.nbytes - 1)  # at rest, not evicted
         self.assertEqual(len(at_rest), 1)
         self.assertLessEqual(at_rest.nbytes, 0.55 * plain.nbytes)
+        # rest (a server idle) does the same, and nothing once all rest
+        rested = LRUPromptCache(bits=8)
+        rested.insert_cache(model, tokens, [kv])
+        self.assertTrue(rested.rest())
+        self.assertFalse(rested.rest())
+        self.assertEqual(rested.nbytes, at_rest.nbytes)
 
         c, t = at_rest.fetch_nearest_cache(model, tokens + [3])
         self.assertEqual(t, [3])

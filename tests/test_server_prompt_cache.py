@@ -462,6 +462,7 @@ def test_a_requests_segment_caches_are_stored_after_its_first_token(
     store = next(x for x in lines if "timing:" in x and "store=" in x)
     assert types == ["system", "user", "assistant"]
     assert "segments" not in first
+    assert " fetch=" in first and " make=" in first  # lookup, then a new cache
     assert float(re.search(r"segments=([\d.]+)ms", store)[1]) > 0
 
 

@@ -58,7 +58,9 @@ def prompt_cache_dir(x: str, mode: int = 0o600) -> str:
 
 def log_timing(timing, phase):
     """Log a request's breakdown at DEBUG: the milliseconds each phase took
-    (``first_token``: from joining the batch; ``store``: its entry's insert
+    (``fetch``: the prompt cache's lookup, its disk tier's too; ``make``: a
+    new cache where it had none; ``first_token``: from joining the batch;
+    ``store``: its entry's insert
     once answered, and ``segments`` the inserts of its prompt's segment
     caches, made once its first token with text is out), each phase logged
     once."""
@@ -66,7 +68,7 @@ def log_timing(timing, phase):
         return
     timing[phase] = time.perf_counter()
     if phase == "first_token":
-        steps = ("tokenize", "prepare", "fetch", "insert", "first_token")
+        steps = ("tokenize", "prepare", "fetch", "make", "insert", "first_token")
         before = ["start", *steps]
     else:
         steps, before = ("store",), ("done",)

@@ -58,7 +58,8 @@ def test_a_restart_after_sigterm_serves_the_prompt_from_disk(model_dir, tmp_path
     restarted = server.log_path.read_text()
 
     assert cached == 0 and again == cold
-    assert f"Prompt cache miss: 0 of {prompt_tokens} tokens" in log
+    # A miss says what asking the disk tier cost
+    assert f"Prompt cache miss: 0 of {prompt_tokens} tokens (disk tier asked in " in log
     hit = f"{cached_in_memory} of {prompt_tokens} tokens"
     assert f"Prompt cache memory hit: {hit}" in log
     assert "for at most 10.0 s" in log and "Prompt cache: written " in log

@@ -530,6 +530,7 @@ class DiskLRUPromptCache(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: List[int]):
         cache, rest = LRUPromptCache.fetch_nearest_cache(self, model, tokens)
         tier = "miss" if cache is None else "memory hit"
+        start = None
         if len(rest) > 1:  # the last token is prefilled whatever the disk has
             cached = len(tokens) - len(rest)
             rate, read = self.prefill_rate, self.disk.read_rate
@@ -557,6 +558,8 @@ class DiskLRUPromptCache(LRUPromptCache):
                 self.disk._read[1] += max(0.0, took - read[1])  # all it waited
             read = "queued" if read is None else f"read {read[0]} B in {read[1]:.2f} s"
             had = f" (memory had {cached}; {read} of {took:.2f} s)"
+        elif start is not None:  # what asking the disk tier cost
+            had = f" (disk tier asked in {time.perf_counter() - start:.3f} s)"
         logging.info(f"Prompt cache {tier}: {n} of {len(tokens)} tokens{had}")
         return cache, rest
 

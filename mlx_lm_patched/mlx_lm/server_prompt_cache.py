@@ -1,5 +1,5 @@
 """The server's prompt cache flags (byte sizes, a file mode, a directory it
-can list), the prompt-cache timings it logs per request, and a chat's
+can list), its size and the prompt-cache timings it logs, and a chat's
 tokens resumed from an earlier chat's."""
 
 import argparse
@@ -54,6 +54,13 @@ def prompt_cache_dir(x: str, mode: int = 0o600) -> str:
         why = "not a directory" if isinstance(e, FileExistsError) else e.strerror
         raise argparse.ArgumentTypeError(f"{x}: {why or e}") from None
     return x
+
+
+def cache_size(prompt_cache) -> str:
+    """``prompt_cache``'s size as the server logs it, exact in bytes (GB to
+    two decimals hid every budget under 5 MB; ``bench serve`` reads it)."""
+    n_bytes = prompt_cache.nbytes
+    return f"{len(prompt_cache)} sequences, {n_bytes / 1e9:.2f} GB ({n_bytes} B)"
 
 
 def log_timing(timing, phase):

@@ -54,7 +54,7 @@ prompt's entry, which every request behind it takes, was put at rest by the
 second request and dequantized by each one after (Gemma-3 on an H200, 8
 bits: 1.72x the hit without bits). A server idle for 0.1 s puts them all
 at rest (``rest``): 8 concurrent agent loops left three entries whole,
-0.40x of upstream's bytes with 4 bits where those at rest hold 0.12x.
+3.54 GB with 4 bits on an H200 where those at rest hold 1.14 GB.
 
 Every eviction goes through ``_evict``, which pops the least recently used
 entry, updates the byte counters and returns ``(model, tokens, entry)``: one

@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # names the code below finds in the upstream module it runs i
     import json
     import logging
 
-    from mlx_lm.server_prompt_cache import encode_resumed, resumable
+    from mlx_lm.server_prompt_cache import cache_size, encode_resumed, resumable
 
 
 class ResponseGenerator:
@@ -114,12 +114,7 @@ class ResponseGenerator:
     chat_tokens_kept = 8
 
     def _log_cache_stats(self):
-        n_sequences = len(self.prompt_cache)
-        n_bytes = self.prompt_cache.nbytes
-        logging.info(
-            f"Prompt Cache: {n_sequences} sequences, {n_bytes / 1e9:.2f} GB "
-            f"({n_bytes} B)"
-        )
+        logging.info(f"Prompt Cache: {cache_size(self.prompt_cache)}")
         for cache_type, stats in self.prompt_cache.stats_by_type().items():
             n_sequences = stats["n_sequences"]
             n_bytes = stats["n_bytes"]
@@ -160,35 +155,32 @@ _GENERATE = """\
 +                time.perf_counter() - at
 +            )
 +
-@@ -37,2 +54,12 @@
+@@ -37,2 +54,9 @@
              request = get_next_request(timeout=timeout)
 +            if request is None and not batch_results:
 +                # Idle 0.1 s: what memory keeps whole rests, the disk tier
 +                # queues what memory took since
 +                if self.prompt_cache.rest():
-+                    n_bytes = self.prompt_cache.nbytes
-+                    logging.info(
-+                        f"Prompt cache at rest: {len(self.prompt_cache)} "
-+                        f"sequences, {n_bytes / 1e9:.2f} GB ({n_bytes} B)"
-+                    )
++                    size = cache_size(self.prompt_cache)
++                    logging.info(f"Prompt cache at rest: {size}")
 +                if hasattr(self.prompt_cache, "spill_idle"):
 +                    self.prompt_cache.spill_idle()
  
-@@ -53,2 +80,3 @@
+@@ -53,2 +77,3 @@
              ):
 +                timing = {"start": time.perf_counter()}
                  try:
-@@ -56,4 +84,5 @@
+@@ -56,4 +81,5 @@
                          self._tokenize(current_tokenizer, request, args)
                      )
 +                    timing["tokenize"] = time.perf_counter()
                  except Exception as e:
                      rqueue.put(e)
-@@ -68,2 +97,3 @@
+@@ -68,2 +94,3 @@
                  self._log_cache_stats()
 +                timing["prepare"] = time.perf_counter()
                  cache, rest = self.prompt_cache.fetch_nearest_cache(
-@@ -71,2 +101,11 @@
+@@ -71,2 +98,11 @@
                  )
 +                timing["fetch"] = time.perf_counter()
 +                if cache is None:  # rings with the server's slack, checkpoints
@@ -200,13 +192,13 @@ _GENERATE = """\
 +                    )
 +                timing["make"] = time.perf_counter()
                  prompt_cache_count = len(prompt) - len(rest)
-@@ -107,3 +146,5 @@
+@@ -107,3 +143,5 @@
                      "top_logprobs": args.top_logprobs,
 +                    "timing": timing,
                  }
 +                timing["insert"] = time.perf_counter()
                  # just making sure we don't leave a reference around
-@@ -111,6 +152,3 @@
+@@ -111,6 +149,3 @@
  
 -                if self.model_provider.cli_args.prompt_cache_bytes is not None:
 -                    total = self.model_provider.cli_args.prompt_cache_bytes
@@ -214,13 +206,13 @@ _GENERATE = """\
 -                    self.prompt_cache.trim_to(n_bytes=total - active)
 +                hold_prompt_cache_bytes()
                  continue
-@@ -147,2 +185,5 @@
+@@ -147,2 +182,5 @@
                  )
 +                # The disk tier's cost model reads how fast it prefills.
 +                if hasattr(self.prompt_cache, "prefill_counters"):
 +                    self.prompt_cache.prefill_counters = batch_generator._counters
                  unprocessed_requests.append((rqueue, request, args))
-@@ -192,7 +233,10 @@
+@@ -192,7 +230,10 @@
                  for uid, (cache, cache_key) in caches.items():
 -                    self.prompt_cache.insert_cache(
 -                        self.model_provider.model_key,
@@ -236,33 +228,33 @@ _GENERATE = """\
 +                            batch_results[uid]["segment_types"].pop(),
 +                        )
                      )
-@@ -202,2 +246,3 @@
+@@ -202,2 +243,3 @@
                      result = batch_results[r.uid]
 +                    log_timing(result["timing"], "first_token")
  
-@@ -228,2 +273,6 @@
+@@ -228,2 +270,6 @@
                      )
 +                    if text or r.finish_reason is not None:
 +                        # Once the client has text: a first token without
 +                        # any waits for the next step, which they would delay
 +                        store_segments(result)
  
-@@ -231,2 +277,3 @@
+@@ -231,2 +274,3 @@
                          result["rqueue"].put(None)
 +                        result["timing"]["done"] = time.perf_counter()
                          self.prompt_cache.insert_cache(
-@@ -237,2 +284,3 @@
+@@ -237,2 +281,3 @@
                          )
 +                        log_timing(result["timing"], "store")
                          del batch_results[r.uid]
-@@ -240,4 +288,6 @@
+@@ -240,4 +285,6 @@
                      if result["ctx"]._should_stop:
                          uids_to_remove.append(r.uid)
  
 +                hold_prompt_cache_bytes()
 +
              uids_to_remove = self._share_object(uids_to_remove)
-@@ -248,3 +298,6 @@
+@@ -248,3 +295,6 @@
                      # generation
 -                    batch_results.pop(uid, None)
 +                    store_segments(batch_results.pop(uid, {}))
@@ -592,6 +584,7 @@ PATCH = Patch(
     + hooks(
         "mlx_lm.server",
         "mlx_lm.server_prompt_cache",
+        "cache_size",
         "file_mode",
         "parse_byte_size",
         "prompt_cache_dir",

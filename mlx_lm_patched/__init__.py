@@ -60,7 +60,9 @@ from .serving import (
     server_max_kv_size,
     server_models,
     server_prompt_cache,
+    server_request_pickup,
     server_requests,
+    server_shared_prefill,
     server_warmup,
 )
 
@@ -118,6 +120,8 @@ MODULES = (
     server_warmup,  # server.py: made-up tokens served once at start
     prompt_batch_split,  # generate.py: a split of every row moves the batch
     first_token_early,  # generate.py: a row's first token before the next step
+    server_request_pickup,  # server.py: a queued request taken at the next step
+    server_shared_prefill,  # server.py: a shared prefix in flight is waited for
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

@@ -67,3 +67,26 @@ def test_concurrent_chats_share_the_system_prompt_within_the_budget(
     assert min(cached[:CHATS]) >= 4097  # the whole system prompt
     assert logged[-1][0] >= CHATS + 1  # every conversation kept
     assert max(b for _, b in logged) <= HELD + WHOLE
+
+
+def test_chats_that_come_at_once_to_a_fresh_server_prefill_the_prompt_once(
+    model_dir, tmp_path
+):
+    """8 chats behind the system prompt sent at once to a fresh server (its
+    prompt cache empty): one prefills the system prompt, the other 7 wait
+    for it and find it cached (``server_shared_prefill``; upstream's server
+    prefills it 8 times)."""
+    chats, replies = 8, {}
+    with Server(model_dir("llama"), log=tmp_path / "server.log") as s:
+        threads = [
+            threading.Thread(target=chat, args=(s, i, replies)) for i in range(chats)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [replies[i][0] for i in range(chats)] == [200] * chats
+    usage = [replies[i][1]["usage"] for i in range(chats)]
+    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage]
+    REPORT.append(f"server shared prefix, a fresh server: cached_tokens {cached}")
+    assert sorted(cached)[0] == 0 and min(sorted(cached)[1:]) >= 4097

@@ -10,19 +10,32 @@ from ringref import cli_args, generation_args
 import mlx_lm_patched
 
 
-def serve_together(make_tiny_dir, monkeypatch, chats, max_tokens=3):
+def serve_together(make_tiny_dir, monkeypatch, chats, max_tokens=3, events=None):
     """Each chat's (cached tokens, tokens), all queued before the server's
-    generation thread takes the first."""
+    generation thread takes the first; ``events``: the prompt cache's
+    inserts (their types) and hits (``"hit"``), in order."""
     from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.server import CompletionRequest, ModelProvider, ResponseGenerator
+
+    events = [] if events is None else events
+
+    class Recording(LRUPromptCache):
+        def insert_cache(self, model, tokens, cache, *, cache_type="assistant"):
+            events.append(cache_type)
+            super().insert_cache(model, tokens, cache, cache_type=cache_type)
+
+        def fetch_nearest_cache(self, model, tokens):
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            events.extend(["hit"] if cache is not None else [])
+            return cache, rest
 
     gate, load = threading.Event(), ModelProvider.load_default
     monkeypatch.setattr(
         ModelProvider, "load_default", lambda self: (gate.wait(60), load(self))
     )
-    generator = ResponseGenerator(
-        ModelProvider(cli_args(make_tiny_dir("llama"))), LRUPromptCache()
-    )
+    args = cli_args(make_tiny_dir("llama"))
+    args.warmup_tokens = 0  # its prompt cache's inserts only
+    generator = ResponseGenerator(ModelProvider(args), Recording())
     out = [None] * len(chats)
 
     def ask(i):
@@ -50,15 +63,20 @@ def test_chats_that_come_together_prefill_their_system_prompt_once(
 ):
     """Four chats behind one 1,000-token system prompt, queued together: one
     prefills the system prompt, the other three find it cached (upstream:
-    every one prefills it), and each answers as it does alone."""
+    every one prefills it), stored once the first's prefill ends it, before
+    the first's own segment (they prefill beside its rest), and each
+    answers as it does alone."""
     if not patch:
         mlx_lm_patched.revert("server_shared_prefill")
     system = {"role": "system", "content": "You answer in one word. " * 200}
     chats = [[system, {"role": "user", "content": f"Why {i}?"}] for i in range(4)]
-    together = serve_together(make_tiny_dir, monkeypatch, chats)
+    events = []
+    together = serve_together(make_tiny_dir, monkeypatch, chats, events=events)
     cached = sorted(c for c, _ in together)
     assert cached == ([0] + [cached[-1]] * 3 if patch else [0] * 4)
     assert cached[-1] >= 1000 or not patch
+    if patch:
+        assert events[:5] == ["system", "hit", "hit", "hit", "user"]
     alone = [serve_together(make_tiny_dir, monkeypatch, [c])[0] for c in chats]
     assert [t for _, t in together] == [t for _, t in alone]
 

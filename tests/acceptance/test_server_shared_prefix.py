@@ -39,6 +39,17 @@ def chat(server, i, out):
     out[i] = server.post("/v1/chat/completions", system_chat(SYSTEM, i, 4))
 
 
+def chats_at_once(server, n, out):
+    """Chats 0..n-1 sent at once; their cached tokens, in order."""
+    threads = [threading.Thread(target=chat, args=(server, i, out)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    usage = [out[i][1]["usage"] for i in range(n)]
+    return [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage]
+
+
 def test_concurrent_chats_share_the_system_prompt_within_the_budget(
     model_dir, tmp_path
 ):
@@ -46,17 +57,9 @@ def test_concurrent_chats_share_the_system_prompt_within_the_budget(
     replies = {}
     with Server(model_dir("llama"), *flags, log=tmp_path / "server.log") as s:
         chat(s, CHATS, replies)  # warms the prompt cache
-        threads = [
-            threading.Thread(target=chat, args=(s, i, replies)) for i in range(CHATS)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        cached = chats_at_once(s, CHATS, replies)
         chat(s, CHATS + 1, replies)  # logs the prompt cache the 16 left
     assert [replies[i][0] for i in range(CHATS + 2)] == [200] * (CHATS + 2)
-    usage = [replies[i][1]["usage"] for i in range(CHATS + 2)]
-    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage]
     logged = [(int(n), int(b)) for n, b in LOGGED.findall(s.log_path.read_text())]
     REPORT.append(
         f"server shared prefix: {CHATS} chats, cached_tokens {cached[:CHATS]}, "
@@ -78,15 +81,7 @@ def test_chats_that_come_at_once_to_a_fresh_server_prefill_the_prompt_once(
     prefills it 8 times)."""
     chats, replies = 8, {}
     with Server(model_dir("llama"), log=tmp_path / "server.log") as s:
-        threads = [
-            threading.Thread(target=chat, args=(s, i, replies)) for i in range(chats)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        cached = chats_at_once(s, chats, replies)
     assert [replies[i][0] for i in range(chats)] == [200] * chats
-    usage = [replies[i][1]["usage"] for i in range(chats)]
-    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usage]
     REPORT.append(f"server shared prefix, a fresh server: cached_tokens {cached}")
     assert sorted(cached)[0] == 0 and min(sorted(cached)[1:]) >= 4097

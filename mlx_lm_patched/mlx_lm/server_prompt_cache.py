@@ -6,6 +6,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Sequence
 
 
 def file_mode(x: str) -> int:
@@ -113,8 +114,9 @@ def resumable(tokenizer):
     return (encoder, cuts, longest) if cuts else None
 
 
-def _shared(a: str, b: str) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (texts,
+    or token lists)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -136,7 +138,9 @@ def encode_resumed(encoder, text, known):
     encodes its new messages only (an 8k-token chat: 12 ms of an H200's
     host, each turn)."""
     tokenizer, cut_ids, longest = encoder
-    shared, kept = max(((_shared(text, k[0]), k) for k in known), default=(0, None))
+    shared, kept = max(
+        ((common_prefix(text, k[0]), k) for k in known), default=(0, None)
+    )
     index, start = 0, 0
     for i, c in reversed(kept[2] if kept else ()):
         if c + longest <= shared:

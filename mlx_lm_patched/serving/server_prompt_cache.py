@@ -585,6 +585,7 @@ PATCH = Patch(
         "mlx_lm.server",
         "mlx_lm.server_prompt_cache",
         "cache_size",
+        "common_prefix",
         "file_mode",
         "parse_byte_size",
         "prompt_cache_dir",

@@ -19,34 +19,25 @@ A request waits once; a request that leaves the batch before its first
 token (failed, cancelled) lets its waiters go.
 """
 
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .._registry import Patch, edits, targets
+
+if TYPE_CHECKING:  # names the code below finds in the upstream module it runs in
+    from mlx_lm.server_prompt_cache import common_prefix
 
 # Shared tokens, past what the other request found cached, worth a wait.
 SHARED_PREFILL_TOKENS = 512
 
 
 # Written as it reads in mlx_lm/server.py, and runs there.
-def _common_prefix(a: List[int], b: List[int]) -> int:
-    """The length of the common prefix of ``a`` and ``b`` (list compares)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def _waits_for(prompt: List[int], prefilling: Dict[int, tuple]) -> Optional[int]:
     """The uid of a request still prefilling whose stored segments will hold
     ``SHARED_PREFILL_TOKENS`` or more of ``prompt`` past what it found
     cached, and at least half of what it prefills; None where none does.
     ``prefilling``: uid -> (prompt, [cached, segment ends...], waiting)."""
     for uid, (other, ends, _) in prefilling.items():
-        shared = _common_prefix(prompt, other)
+        shared = common_prefix(prompt, other)
         gain = max([e for e in ends if e <= shared], default=ends[0]) - ends[0]
         if gain >= SHARED_PREFILL_TOKENS and 2 * gain >= len(other) - ends[0]:
             return uid
@@ -117,7 +108,6 @@ PATCH = Patch(
     "waits for its stored segments instead of prefilling the prefix again",
     targets(
         "mlx_lm.server",
-        _common_prefix,
         _waits_for,
         SHARED_PREFILL_TOKENS=SHARED_PREFILL_TOKENS,
     )

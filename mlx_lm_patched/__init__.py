@@ -63,6 +63,7 @@ from .serving import (
     server_request_pickup,
     server_requests,
     server_shared_prefill,
+    server_token_logprob,
     server_warmup,
 )
 
@@ -122,6 +123,7 @@ MODULES = (
     first_token_early,  # generate.py: a row's first token before the next step
     server_request_pickup,  # server.py: a queued request taken at the next step
     server_shared_prefill,  # server.py: a shared prefix in flight is waited for
+    server_token_logprob,  # server.py: a token logprob read only where asked
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

@@ -60,6 +60,7 @@ from .serving import (
     server_max_kv_size,
     server_models,
     server_prompt_cache,
+    server_readiness,
     server_request_pickup,
     server_requests,
     server_shared_prefill,
@@ -124,6 +125,7 @@ MODULES = (
     server_request_pickup,  # server.py: a queued request taken at the next step
     server_shared_prefill,  # server.py: a shared prefix in flight is waited for
     server_token_logprob,  # server.py: a token logprob read only where asked
+    server_readiness,  # server.py: /health 503 until loaded and warmed up
 )
 PATCHES: List[_registry.Patch] = [m.PATCH for m in MODULES]
 # patch name -> its folder (caches, kernels, generation, prompt_cache, serving)

@@ -29,7 +29,8 @@ reply; ``cached_tokens`` is what the server reports in
               written, kill -9, a restart, that prompt again (sides with
               a prompt-cache directory only); each server answers a
               32-token prompt first, so no TTFT but that one's
-              (``ttft_load_s``) waits for the model's load
+              (``ttft_load_s``) waits for the model's load (upstream's
+              ``/health`` answers before it; ours once loaded)
   concurrent  ``--concurrent`` agent loops of ``--concurrent-turns`` turns
               at once, sharing a ``--system``-token system prompt, after
               a 32-token prompt (``ttft_load_s``: the model's load): wall
@@ -262,8 +263,9 @@ def edited(ctx, server):
 
 
 def load_model(ctx, server, seed):
-    """A new 32-token raw prompt (no chat template): a fresh server loads
-    its model for it, so that only it waits."""
+    """A new 32-token raw prompt (no chat template): a fresh server that
+    answered ``/health`` before its model was loaded (upstream's) loads it
+    for this one, so that only it waits."""
     body = {"prompt": ctx.prompts.text(32, seed), "max_tokens": 1}
     return stream(server.port, "/v1/completions", body, ctx.args.timeout)
 

@@ -140,6 +140,35 @@ def test_a_restore_joins_each_arrays_blocks_as_one_array(tmp_path, monkeypatch):
     assert same(live(got), live(cache))
 
 
+def test_a_restore_moves_runs_of_the_bytes_its_threads_read_at_once(
+    tmp_path, monkeypatch
+):
+    """Block files are joined a run at a time, at most ``read_threads`` x
+    ``read_chunk`` bytes (so a GPU takes a run while the next is read), in
+    block order, bit for bit."""
+    mx.random.seed(3)
+    convs = conversations(1, 5 * SIZE, 10)
+    stored(tmp_path, convs).disk.close()
+    runs = []
+    join = DiskPromptCache._join
+    monkeypatch.setattr(
+        DiskPromptCache,
+        "_join",
+        lambda self, a, m, found: runs.append(found) or join(self, a, m, found),
+    )
+    again = DiskPromptCache(str(tmp_path))
+    again.read_threads, again.read_chunk = 2, SIZE * PER_TOKEN  # 2 blocks
+    ((tokens, cache),) = convs
+    got, _ = again.get("m", tokens)
+    again.close()
+    (found,) = runs
+    assert [x.shape[2] for x in found["0.0"]] == [2 * SIZE, 2 * SIZE, SIZE]
+    for i, (k, v) in enumerate(live(cache)):
+        assert same(mx.concatenate(found[f"{i}.0"], 2), k[..., : 5 * SIZE, :])
+        assert same(mx.concatenate(found[f"{i}.1"], 2), v[..., : 5 * SIZE, :])
+    assert same(live(got), live(cache))
+
+
 def test_a_restore_counts_its_block_files_in_the_bytes_it_reads(tmp_path):
     """``read_rate`` and the cost model's bytes are the entry file's and its
     block files' (counting the tail alone made a restore look slow, and a
@@ -441,6 +470,25 @@ def another_layout(tier, d):
     os.truncate(path, 8 + n + (os.path.getsize(path) - 8 - n) // 2)
 
 
+def gapped(tier, d):
+    """A block's last array moved 64 bytes on, a gap before it (a sound
+    header, resealed): more data than its layout, where its run's buffer
+    has room for its layout's bytes only."""
+    path = d / blocks(d)[0]
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    last = max(k for k in json.loads(raw[8 : 8 + n]) if k != "__metadata__")
+
+    def edit(header):
+        header[last]["data_offsets"] = [x + 64 for x in header[last]["data_offsets"]]
+
+    reseal(tier, path, edit)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    gap = 8 + n + json.loads(raw[8 : 8 + n])[last]["data_offsets"][0] - 64
+    path.write_bytes(raw[:gap] + bytes(64) + raw[gap:])
+
+
 def nan_resealed(tier, d, pick=lambda keys, header: keys[-1]):
     """A block holding a NaN in its last array (or the one ``pick`` picks),
     its CRC-32 and manifest made to match: a block file's floats are checked
@@ -501,6 +549,7 @@ CASE = None
         other_models_blocks,
         another_layout,
         nan_resealed,
+        gapped,
         block_replaced_by("link"),
         block_replaced_by("directory"),
         block_replaced_by("fifo"),
@@ -514,6 +563,7 @@ CASE = None
         "other_model",
         "other_layout",
         "nan",
+        "gapped",
         "link_to_dev_zero",
         "directory",
         "fifo",

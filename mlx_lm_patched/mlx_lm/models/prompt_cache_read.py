@@ -94,9 +94,10 @@ class PromptCacheReader:
             raise ValueError(f"{size} bytes where its header needs {8 + n + end}")
         return header, size
 
-    def _read_arrays(self, fd: int, header: dict, each=None):
+    def _read_arrays(self, fd: int, header: dict, each=None, into=None):
         """The data of the entry file open on ``fd`` (``header``, its checked
-        header), a numpy buffer of bytes; with ``each``, ``each(key, bytes)``
+        header), a numpy buffer of bytes (``into`` where given: one of the
+        size its checked header fixes); with ``each``, ``each(key, bytes)``
         is called for each array, in file order, as soon as it is read.
         ``read_threads`` threads read its data in runs of
         ``read_chunk`` bytes, across arrays, into one preallocated numpy
@@ -119,7 +120,7 @@ class PromptCacheReader:
         sealed = [spans[k][0] for k in keys] == ends[:-1]  # sorted, contiguous
         order = keys if sealed else sorted(spans, key=lambda k: spans[k])
         size = max((stop for _, stop in spans.values()), default=0)
-        data = np.empty(size, np.uint8)
+        data = np.empty(size, np.uint8) if into is None else into
         view, step = memoryview(data), self.read_chunk
         shifts = {}  # bytes -> _crc32_shift(bytes): a few sizes recur
 

@@ -114,10 +114,15 @@ def test_a_restart_reads_an_entry_from_its_blocks_bit_for_bit(tmp_path):
     again.close()
 
 
-def test_a_restore_joins_each_arrays_blocks_as_one_array(tmp_path, monkeypatch):
-    """The block files of one layout come back as one array per key, its
-    blocks in order (a few MLX operations a key, not a few per block and
-    key: 72,000 of a 4-bit 24k-token entry), bit for bit."""
+@pytest.mark.parametrize("run_blocks", [None, 2], ids=["whole", "2-block-runs"])
+def test_a_restore_joins_each_arrays_blocks_a_run_at_a_time(
+    run_blocks, tmp_path, monkeypatch
+):
+    """The block files of one layout come back as one array per key and
+    run, its blocks in order, bit for bit: a few MLX operations a key, not
+    a few per block and key (72,000 of a 4-bit 24k-token entry). A run is
+    at most ``read_threads`` x ``read_chunk`` bytes, so a GPU takes one
+    while the next is read."""
     mx.random.seed(2)
     convs = conversations(1, 5 * SIZE, 10)
     stored(tmp_path, convs).disk.close()
@@ -129,40 +134,15 @@ def test_a_restore_joins_each_arrays_blocks_as_one_array(tmp_path, monkeypatch):
         lambda self, a, m, found: runs.append(found) or join(self, a, m, found),
     )
     again = DiskPromptCache(str(tmp_path))
+    if run_blocks:
+        again.read_threads, again.read_chunk = run_blocks, SIZE * PER_TOKEN
     ((tokens, cache),) = convs
     got, _ = again.get("m", tokens)
     again.close()
     (found,) = runs
-    assert len(found) == 2 * LAYERS and all(len(x) == 1 for x in found.values())
-    for i, (k, v) in enumerate(live(cache)):
-        assert same(found[f"{i}.0"][0], k[..., : 5 * SIZE, :])
-        assert same(found[f"{i}.1"][0], v[..., : 5 * SIZE, :])
-    assert same(live(got), live(cache))
-
-
-def test_a_restore_moves_runs_of_the_bytes_its_threads_read_at_once(
-    tmp_path, monkeypatch
-):
-    """Block files are joined a run at a time, at most ``read_threads`` x
-    ``read_chunk`` bytes (so a GPU takes a run while the next is read), in
-    block order, bit for bit."""
-    mx.random.seed(3)
-    convs = conversations(1, 5 * SIZE, 10)
-    stored(tmp_path, convs).disk.close()
-    runs = []
-    join = DiskPromptCache._join
-    monkeypatch.setattr(
-        DiskPromptCache,
-        "_join",
-        lambda self, a, m, found: runs.append(found) or join(self, a, m, found),
-    )
-    again = DiskPromptCache(str(tmp_path))
-    again.read_threads, again.read_chunk = 2, SIZE * PER_TOKEN  # 2 blocks
-    ((tokens, cache),) = convs
-    got, _ = again.get("m", tokens)
-    again.close()
-    (found,) = runs
-    assert [x.shape[2] for x in found["0.0"]] == [2 * SIZE, 2 * SIZE, SIZE]
+    want = [5 * SIZE] if run_blocks is None else [2 * SIZE, 2 * SIZE, SIZE]
+    assert len(found) == 2 * LAYERS
+    assert all([x.shape[2] for x in v] == want for v in found.values())
     for i, (k, v) in enumerate(live(cache)):
         assert same(mx.concatenate(found[f"{i}.0"], 2), k[..., : 5 * SIZE, :])
         assert same(mx.concatenate(found[f"{i}.1"], 2), v[..., : 5 * SIZE, :])

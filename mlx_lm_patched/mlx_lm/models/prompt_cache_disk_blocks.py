@@ -367,28 +367,20 @@ class PromptBlockDir(PromptCacheDir):
         # once, each read into one MLX buffer made here (streams are this
         # thread's; on CUDA, unified memory): the threads write its rows
         # through numpy views, with no ``mx.array`` copy (it holds the GIL
-        # they need) and no stack; a run is joined while they read the next.
-        jobs, cap = [], self.read_threads * self.read_chunk
+        # they need) and no stack. The next run's buffer is made (its memory
+        # first touched) while they read one, which is joined while they
+        # read the next.
+        runs, cap = [], self.read_threads * self.read_chunk
         for name, held, digest in want:
             n = sum(
                 math.prod(shape) * getattr(mx, self.dtypes[dtype]).size
                 for dtype, shape in layouts[id(held)][1].values()
             )
-            if not jobs or jobs[-1][0] != id(held) or (len(jobs[-1][1]) + 1) * n > cap:
-                jobs.append((id(held), [], n))
-            jobs[-1][1].append((name, held, digest))
-        buffers = [
-            mx.contiguous(mx.zeros((len(x), n), mx.uint8, stream=mx.cpu), stream=mx.cpu)
-            for _, x, n in jobs
-        ]
-        mx.eval(buffers)
-        jobs = [
-            (*x, np.asarray(b)[i], b, i)
-            for (_, run, _), b in zip(jobs, buffers)
-            for i, x in enumerate(run)
-        ]
+            if not runs or runs[-1][0] != id(held) or (len(runs[-1][1]) + 1) * n > cap:
+                runs.append((id(held), [], n))
+            runs[-1][1].append((name, held, digest))
 
-        def read(name, held, digest, into, buffer, row):
+        def read(name, held, digest, into):
             path, st = os.path.join(self.directory, name), None
             try:
                 st = os.lstat(path)
@@ -428,15 +420,32 @@ class PromptBlockDir(PromptCacheDir):
             finally:
                 os.close(fd)
             del got["__metadata__"]
-            return got, buffer, row
+            return got
 
-        found, run = {}, (None, None, 0, 0)  # its blocks' header, buffer, rows
-        for got, buffer, row in self._block_threads().map(lambda x: read(*x), jobs):
-            if got != run[0] or buffer is not run[1]:
-                self._add_run(found, *run)
-                run = (got, buffer, row, row)
-            run = (*run[:3], row + 1)
-        self._add_run(found, *run)
+        def queue(blocks, n):  # a run's buffer and its reads
+            buffer = mx.zeros((len(blocks), n), mx.uint8, stream=mx.cpu)
+            buffer = mx.contiguous(buffer, stream=mx.cpu)
+            rows, pool = np.asarray(buffer), self._block_threads()
+            return buffer, [
+                pool.submit(read, *x, rows[i]) for i, x in enumerate(blocks)
+            ]
+
+        found, queued = {}, queue(*runs[0][1:]) if runs else None
+        for i in range(len(runs)):
+            (buffer, reads), queued = queued, (
+                queue(*runs[i + 1][1:]) if i + 1 < len(runs) else None
+            )
+            try:
+                got = [f.result() for f in reads]
+            except BaseException:
+                for f in reads + (queued[1] if queued else []):
+                    f.cancel()
+                raise
+            start = 0  # rows of one header: one run to join
+            for row in range(1, len(got) + 1):
+                if row == len(got) or got[row] != got[start]:
+                    self._add_run(found, got[start], buffer, start, row)
+                    start = row
         return found
 
     def _add_run(self, found: Dict[str, list], specs, data, start: int, stop: int):
@@ -446,8 +455,6 @@ class PromptBlockDir(PromptCacheDir):
         file's a row), one array per key, scheduled: a few operations a
         key, not a few per block, moving the widest words its layout
         allows (a copy a byte at a time is 3-4x slower on the CPU)."""
-        if specs is None:
-            return
         words = {}  # the rows as unsigned words of w bytes
         for k, v in specs.items():
             begin, end = v["data_offsets"]

@@ -1111,6 +1111,51 @@ def test_a_resealed_file_holding_nan_or_inf_is_a_miss(
     assert len(tier) == 0
 
 
+@pytest.mark.parametrize("chunk", [4, 1 << 20])
+@pytest.mark.parametrize("before", [2, 3])
+def test_the_reader_names_the_array_holding_a_nan_in_any_read_or_offset(
+    before, chunk, tmp_path
+):
+    """Float arrays are checked by the threads as they read them, a run of
+    ``read_chunk`` bytes at a time (4: each bfloat16 array spans runs), and
+    one at an offset that is not a multiple of its item size (3), after:
+    either way the array holding the NaN is named, and the same file
+    without it reads back whole."""
+    import zlib
+
+    tier = disk(tmp_path)
+    tier.read_chunk = chunk
+    nan = mx.array([float("nan")], mx.bfloat16).view(mx.uint16).item()
+    for bad in (None, "b"):
+        arrays = {"a": bytes(range(1, before + 1))}
+        for k in "bc":  # 1.0 2.0 3.0 4.0 in bfloat16, one a NaN in "b"
+            words = [0x3F80, 0x4000, nan if k == bad else 0x4040, 0x4080]
+            arrays[k] = b"".join(w.to_bytes(2, "little") for w in words)
+        header, at = {}, 0
+        for k, dtype in zip("abc", ["U8", "BF16", "BF16"]):
+            n = len(arrays[k])
+            shape = [n // (1 if dtype == "U8" else 2)]
+            header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + n]}
+            at += n
+        body = b"".join(arrays[k] for k in "abc")
+        header["__metadata__"] = {"0.crc32": str(zlib.crc32(body))}
+        header["__metadata__"]["0.manifest"] = tier._manifest(header)
+        text = json.dumps(header).encode()
+        path = tmp_path / f"{bad}.safetensors"
+        path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            checked, _ = tier._safetensors_header(fd)
+            if bad is None:
+                assert tier._read_arrays(fd, checked).tobytes() == body
+            else:
+                with pytest.raises(ValueError, match="array b holds NaN"):
+                    tier._read_arrays(fd, checked)
+        finally:
+            os.close(fd)
+    tier.close()
+
+
 # Hardening, second round (#48): the writer never dies, every queued entry is
 # written or counted as dropped; an entry file of another kind is a miss that
 # the next write replaces.

@@ -471,8 +471,8 @@ def gapped(tier, d):
 
 def nan_resealed(tier, d, pick=lambda keys, header: keys[-1]):
     """A block holding a NaN in its last array (or the one ``pick`` picks),
-    its CRC-32 and manifest made to match: a block file's floats are checked
-    at once, not array by array. Returns the array's key."""
+    its CRC-32 and manifest made to match: the threads check a block file's
+    floats as they read them. Returns the array's key."""
     path = d / blocks(d)[0]
     raw = bytearray(path.read_bytes())
     n = int.from_bytes(raw[:8], "little")
@@ -664,8 +664,8 @@ def test_a_nan_among_a_quantized_blocks_packed_arrays_is_found_and_named(
     tmp_path, caplog
 ):
     """A quantized layer's block file has its float scales and biases between
-    its packed uint32 arrays: they are checked together (one copy of the
-    floats, not one check an array), and the array holding a NaN is named."""
+    its packed uint32 arrays: each is checked as it is read, and the array
+    holding a NaN is named."""
     mx.random.seed(8)
     tokens, cache = conversations(1, 200, 10)[0]
     cache = [c.to_quantized(group_size=32, bits=4) for c in cache]

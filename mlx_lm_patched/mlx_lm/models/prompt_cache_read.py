@@ -2,6 +2,7 @@
 each field checked and the whole matching its manifest digest; the arrays
 read by threads, each chunk checked (CRC-32, finite floats) as it comes."""
 
+import bisect
 import hashlib
 import json
 import math
@@ -103,10 +104,10 @@ class PromptCacheReader:
         ``read_chunk`` bytes, across arrays, into one preallocated numpy
         buffer (a block file of 64 arrays is one read), and CRC-32 each run
         (zlib releases the GIL). Each float array is checked to have no
-        exponent all ones (NaN or infinite); in a sealed file read without
-        ``each`` (a block file) the arrays of each dtype at once. Raises
-        ``ValueError`` where one has and, once all are read, where the
-        CRC-32 is not the header's
+        exponent all ones (NaN or infinite), by the threads as they read it
+        (back-to-back arrays of a dtype at once; one whose offset is not a
+        multiple of its item size, after). Raises ``ValueError`` where one
+        has and, once all are read, where the CRC-32 is not the header's
         (``_seal``'s: the arrays' bytes in sorted key order, which is file
         order in the files ``_seal`` writes; others are CRC'd per array)."""
         from concurrent.futures import ThreadPoolExecutor, wait
@@ -139,6 +140,29 @@ class PromptCacheReader:
             "F64": np.array(0x7FF0000000000000, np.uint64),
         }
 
+        def finite(raw, exponent):  # bytes of floats: no exponent all ones
+            return (raw.view(exponent.dtype) & exponent).max(initial=0) != exponent
+
+        def check(k, start, stop):
+            exponent = floats.get(header[k]["dtype"])
+            if exponent is not None and not finite(data[start:stop], exponent):
+                raise ValueError(f"array {k} holds NaN or infinite values")
+
+        # Float arrays the threads check: [start, stop, exponent, keys], the
+        # back-to-back arrays of a dtype joined, by offset; the rest, after.
+        ranges, late = [], []
+        for k in order:
+            exponent, (start, stop) = floats.get(header[k]["dtype"]), spans[k]
+            if exponent is None:
+                continue
+            if (start | step) % exponent.itemsize:
+                late.append(k)
+            elif ranges and ranges[-1][1] == start and ranges[-1][2] is exponent:
+                ranges[-1][1], ranges[-1][3] = stop, ranges[-1][3] + [k]
+            else:
+                ranges.append([start, stop, exponent, [k]])
+        starts = [r[0] for r in ranges]
+
         def read(at, stop):
             done = at
             while done < stop:
@@ -146,6 +170,14 @@ class PromptCacheReader:
                 if n == 0:
                     raise ValueError("it was truncated while it was read")
                 done += n
+            i = max(bisect.bisect_right(starts, at) - 1, 0)
+            for start, end, exponent, ks in ranges[i:]:
+                if start >= stop:
+                    break
+                lo, hi = max(start, at), min(end, stop)
+                if lo < hi and not finite(data[lo:hi], exponent):
+                    for k in ks:  # the array that holds it
+                        check(k, max(spans[k][0], lo), min(spans[k][1], hi))
             return zlib.crc32(view[at:stop])
 
         if self._pool[0] != self.read_threads:  # kept: threads take ms to start
@@ -156,17 +188,6 @@ class PromptCacheReader:
             for i in range(0, size, step)
         ]
 
-        def finite(raw, exponent):  # bytes of floats: no exponent all ones
-            return (raw.view(exponent.dtype) & exponent).max(initial=0) != exponent
-
-        def check(k, start, stop):
-            exponent = floats.get(header[k]["dtype"])
-            if exponent is not None and not finite(data[start:stop], exponent):
-                raise ValueError(f"array {k} holds NaN or infinite values")
-
-        # A block file's arrays of each dtype checked at once (a quantized
-        # layer's scales and biases lie between its packed arrays: joined).
-        at_once = sealed and each is None
         try:
             run, crc = 0, 0
             for k in order:
@@ -174,20 +195,10 @@ class PromptCacheReader:
                 while run < len(runs) and runs[run][0] < stop:  # read up to it
                     at, end, part = runs[run]
                     crc, run = combine(crc, part.result(), end - at), run + 1
-                if not at_once:
+                if k in late:
                     check(k, start, stop)
                 if each is not None:
                     each(k, data[start:stop])
-            dtypes = {header[k]["dtype"] for k in keys} & floats.keys()
-            for dtype in sorted(dtypes) if at_once else ():
-                group = [k for k in keys if header[k]["dtype"] == dtype]
-                parts = [data[spans[k][0] : spans[k][1]] for k in group]
-                start, stop = spans[group[0]][0], spans[group[-1]][1]
-                back_to_back = stop - start == sum(len(x) for x in parts)
-                raw = data[start:stop] if back_to_back else np.concatenate(parts)
-                if not finite(raw, floats[dtype]):
-                    for k in group:  # the array that holds it
-                        check(k, *spans[k])
         finally:  # on any error, no thread reads ``fd`` once this returns
             for _, _, part in runs:
                 part.cancel()

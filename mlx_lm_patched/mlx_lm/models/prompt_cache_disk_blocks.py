@@ -365,18 +365,21 @@ class PromptBlockDir(PromptCacheDir):
 
         # Runs of blocks of one layout, at most the bytes the threads read at
         # once, each read into one MLX buffer made here (streams are this
-        # thread's; on CUDA, unified memory): the threads write its rows
-        # through numpy views, with no ``mx.array`` copy (it holds the GIL
-        # they need) and no stack. The next run's buffer is made (its memory
-        # first touched) while they read one, which is joined while they
-        # read the next.
+        # thread's): the threads write its rows through numpy views, with no
+        # ``mx.array`` copy (it holds the GIL they need) and no stack. The
+        # next run's buffer is made while they read one, which is joined
+        # while they read the next; the first run is one block, so reading
+        # starts once a block's buffer is made. A buffer is zeroed on the
+        # default device: on CUDA the GPU's, moved to unified memory in one
+        # copy (zeroed on the CPU, its pages were first touched one by one).
         runs, cap = [], self.read_threads * self.read_chunk
         for name, held, digest in want:
             n = sum(
                 math.prod(shape) * getattr(mx, self.dtypes[dtype]).size
                 for dtype, shape in layouts[id(held)][1].values()
             )
-            if not runs or runs[-1][0] != id(held) or (len(runs[-1][1]) + 1) * n > cap:
+            most = cap if len(runs) > 1 else n
+            if not runs or runs[-1][0] != id(held) or (len(runs[-1][1]) + 1) * n > most:
                 runs.append((id(held), [], n))
             runs[-1][1].append((name, held, digest))
 
@@ -423,8 +426,9 @@ class PromptBlockDir(PromptCacheDir):
             return got
 
         def queue(blocks, n):  # a run's buffer and its reads
-            buffer = mx.zeros((len(blocks), n), mx.uint8, stream=mx.cpu)
-            buffer = mx.contiguous(buffer, stream=mx.cpu)
+            device = mx.default_device()
+            buffer = mx.zeros((len(blocks), n), mx.uint8, stream=device)
+            buffer = mx.contiguous(buffer, stream=device)
             rows, pool = np.asarray(buffer), self._block_threads()
             return buffer, [
                 pool.submit(read, *x, rows[i]) for i, x in enumerate(blocks)

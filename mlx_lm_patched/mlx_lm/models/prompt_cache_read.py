@@ -150,15 +150,16 @@ class PromptCacheReader:
 
         # Float arrays the threads check: [start, stop, exponent, keys], the
         # back-to-back arrays of a dtype joined, by offset; the rest, after.
-        ranges, late = [], []
+        ranges, late = [], set()
         for k in order:
             exponent, (start, stop) = floats.get(header[k]["dtype"]), spans[k]
             if exponent is None:
                 continue
             if (start | step) % exponent.itemsize:
-                late.append(k)
+                late.add(k)
             elif ranges and ranges[-1][1] == start and ranges[-1][2] is exponent:
-                ranges[-1][1], ranges[-1][3] = stop, ranges[-1][3] + [k]
+                ranges[-1][1] = stop
+                ranges[-1][3].append(k)
             else:
                 ranges.append([start, stop, exponent, [k]])
         starts = [r[0] for r in ranges]
